@@ -1,0 +1,43 @@
+"""lowmem_hf: load Hugging Face models at ~1.0x their size in memory.
+
+``LowMemAutoModel*.from_pretrained`` is a drop-in for transformers' ``AutoModel*.from_pretrained``: it
+builds the model on ``meta``, plans which bytes each parameter needs from the checkpoint headers, and
+streams them submodule by submodule into memory of the final dtype, then finishes the model with
+transformers' own tying and initialization.
+"""
+
+from .auto import AUTO_CLASSES, LowMemAutoModelBase
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteLoadError,
+    LowMemError,
+    MissingShardError,
+    ShapeMismatchError,
+    UnsupportedConversionError,
+)
+from .types import DtypeDecision, LoadReport
+
+globals().update(AUTO_CLASSES)
+
+# Named explicitly for readers and IDEs; every other LowMemAutoModelFor* comes from AUTO_CLASSES.
+LowMemAutoModel = AUTO_CLASSES["LowMemAutoModel"]
+LowMemAutoModelForCausalLM = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
+LowMemAutoModelForSequenceClassification = AUTO_CLASSES["LowMemAutoModelForSequenceClassification"]
+LowMemAutoModelForSeq2SeqLM = AUTO_CLASSES["LowMemAutoModelForSeq2SeqLM"]
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LowMemAutoModelBase",
+    "LoadReport",
+    "DtypeDecision",
+    "LowMemError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "MissingShardError",
+    "ShapeMismatchError",
+    "UnsupportedConversionError",
+    "IncompleteLoadError",
+    *sorted(AUTO_CLASSES),
+]

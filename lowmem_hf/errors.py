@@ -1,0 +1,46 @@
+"""Every exception lowmem_hf raises on purpose.
+
+Each subclasses the closest built-in so callers that already catch ``OSError`` / ``ValueError`` /
+``RuntimeError`` around ``from_pretrained`` keep working. Messages name the file or key, what was
+expected, what was found, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LowMemError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "MissingShardError",
+    "ShapeMismatchError",
+    "UnsupportedConversionError",
+    "IncompleteLoadError",
+]
+
+
+class LowMemError(Exception):
+    """Base class of the errors below; never raised itself."""
+
+
+class CheckpointNotFoundError(LowMemError, OSError):
+    """No config or no weight file where the caller pointed."""
+
+
+class CorruptCheckpointError(LowMemError, OSError):
+    """A weight file exists but its header or size is not what the format promises."""
+
+
+class MissingShardError(CheckpointNotFoundError):
+    """An index names a shard file that is not there."""
+
+
+class ShapeMismatchError(LowMemError, RuntimeError):
+    """A checkpoint tensor's shape differs from the parameter it maps to (without ``ignore_mismatched_sizes``)."""
+
+
+class UnsupportedConversionError(LowMemError, NotImplementedError):
+    """transformers would convert these checkpoint keys in a way lowmem_hf cannot stream."""
+
+
+class IncompleteLoadError(LowMemError, RuntimeError):
+    """A post-condition failed: something is still on ``meta`` or has a dtype the policy did not decide."""

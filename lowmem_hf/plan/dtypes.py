@@ -1,0 +1,137 @@
+"""The dtype policy: who wins when a checkpoint tensor's dtype and the declared dtype differ.
+
+Rules, first match wins:
+
+1. ``dtype_overrides`` — the caller's ordered ``(glob, dtype)`` list, matched with ``fnmatch`` against
+   the parameter's name. Applies to floating-point tensors only.
+2. The model's own fp32 declarations, exactly as transformers applies them: ``_keep_in_fp32_modules``
+   when the reference dtype is float16, ``_keep_in_fp32_modules_strict`` when it is float16 or bfloat16.
+   The reference dtype is the declared dtype under ``"declared"`` and the stored dtype under ``"loaded"``.
+3. ``"declared"``: the module's dtype as built under the declared default dtype (transformers: a module
+   that hard-codes another dtype keeps it), else the declared dtype.
+   ``"loaded"``: the stored dtype.
+
+The declared dtype is ``torch_dtype`` when given, else the config's/checkpoint's when ``"auto"``/``None``,
+decided by transformers' own ``_get_dtype``. Nothing here depends on the model having been built on ``meta``:
+the module dtypes are the ones a real construction gives.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+from transformers.core_model_loading import build_glob_alternation
+
+from ..types import DtypeDecision
+
+__all__ = ["DTYPE_POLICIES", "DtypePolicy", "parse_dtype", "parse_overrides"]
+
+DTYPE_POLICIES = ("declared", "loaded")
+
+_DTYPE_NAMES = sorted(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
+
+
+def parse_dtype(value: Any, *, argument: str) -> torch.dtype:
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``), as transformers accepts."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        if name in _DTYPE_NAMES:
+            return getattr(torch, name)
+        close = difflib.get_close_matches(name, _DTYPE_NAMES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{argument}={value!r} is not a torch dtype.{hint} Use a torch.dtype or its name, "
+            "e.g. torch.bfloat16 or 'bfloat16'"
+            + (", or 'auto' for the checkpoint's dtype." if argument in ("torch_dtype", "dtype") else ".")
+        )
+    raise TypeError(f"{argument} must be a torch.dtype or its name, got {type(value).__name__} {value!r}.")
+
+
+def parse_overrides(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, torch.dtype], ...]:
+    """Normalize ``dtype_overrides`` (a dict in insertion order, or a list of pairs) to ``((glob, dtype), ...)``."""
+    if overrides is None:
+        return ()
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    out = []
+    for item in items:
+        try:
+            pattern, dtype = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"dtype_overrides entries must be (glob, dtype) pairs, got {item!r}; "
+                "e.g. {'*.norm.weight': torch.float32}."
+            ) from None
+        if not isinstance(pattern, str):
+            raise TypeError(f"dtype_overrides pattern must be a str glob, got {pattern!r}.")
+        out.append((pattern, parse_dtype(dtype, argument=f"dtype_overrides[{pattern!r}]")))
+    return tuple(out)
+
+
+def _fp32_matcher(model: Any, reference: torch.dtype):
+    """transformers' keep-in-fp32 regex for a model at ``reference`` dtype (``None`` when no rule applies)."""
+    plan = model._get_dtype_plan(reference)
+    if not plan:
+        return None
+    alternation, _, _ = build_glob_alternation(list(plan))
+    return alternation
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Decides each tensor's dtype. Build with ``DtypePolicy.for_model``."""
+
+    mode: str
+    """``"declared"`` or ``"loaded"``."""
+    dtype: torch.dtype
+    """The declared model dtype (``config.dtype``)."""
+    overrides: tuple[tuple[str, torch.dtype], ...]
+    fp32_matchers: Mapping[torch.dtype, Any]
+    """Reference dtype -> transformers' keep-in-fp32 regex (or ``None``)."""
+    strict_only: Mapping[torch.dtype, bool]
+    """Reference dtype -> whether only the ``_strict`` list applies at that dtype (for the rule name)."""
+
+    @classmethod
+    def for_model(cls, model: Any, *, mode: str, dtype: torch.dtype, overrides=None) -> "DtypePolicy":
+        if mode not in DTYPE_POLICIES:
+            close = difflib.get_close_matches(str(mode), DTYPE_POLICIES, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"dtype_policy={mode!r} is not a policy.{hint} Use 'declared' (every tensor gets the declared "
+                "torch_dtype) or 'loaded' (every tensor keeps its checkpoint dtype)."
+            )
+        references = (torch.float16, torch.bfloat16, torch.float32, dtype)
+        matchers = {ref: _fp32_matcher(model, ref) for ref in references}
+        strict_only = {ref: ref != torch.float16 for ref in references}
+        return cls(mode=mode, dtype=dtype, overrides=parse_overrides(overrides), fp32_matchers=matchers, strict_only=strict_only)
+
+    def decide(self, name: str, *, stored: torch.dtype, module: torch.dtype) -> DtypeDecision:
+        """The dtype of model tensor ``name`` stored as ``stored`` whose module builds it as ``module``."""
+        floating = stored.is_floating_point and module.is_floating_point
+        if floating:
+            for pattern, dtype in self.overrides:
+                if fnmatch.fnmatchcase(name, pattern):
+                    return DtypeDecision(dtype, f"override:{pattern}")
+            reference = self.dtype if self.mode == "declared" else stored
+            # Dtypes other than fp16/bf16 (fp32, fp64...) have no fp32 rule in transformers.
+            matcher = self.fp32_matchers.get(reference)
+            if matcher is not None and matcher.search(name):
+                rule = "keep_in_fp32_strict" if self.strict_only[reference] else "keep_in_fp32"
+                return DtypeDecision(torch.float32, rule)
+        if self.mode == "loaded":
+            return DtypeDecision(stored, "loaded")
+        if module != self.dtype:
+            return DtypeDecision(module, "module")
+        return DtypeDecision(self.dtype, "declared")
+
+    def override_for(self, name: str) -> DtypeDecision | None:
+        """The override that applies to a tensor the checkpoint does not hold (initialized, not loaded)."""
+        for pattern, dtype in self.overrides:
+            if fnmatch.fnmatchcase(name, pattern):
+                return DtypeDecision(dtype, f"override:{pattern}")
+        return None

@@ -1,0 +1,251 @@
+"""Stream: read each planned tensor straight into memory of its final dtype and device, submodule by submodule.
+
+Readers, one per storage format, share one contract: ``read_into(info, dst)`` fills ``dst`` (already of
+the decided dtype and device) with the stored tensor, converting on the fly in bounded chunks, and
+keeps no mapping or buffer of the file afterwards.
+
+- safetensors: ``preadv`` of the tensor's byte range. Same dtype on CPU: straight into the destination's
+  memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` (pinned when
+  the destination is a CUDA device), converted by ``copy_`` chunk by chunk.
+- torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` one shard at a time,
+  copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so
+  the resident file-backed memory stays one chunk, not one shard.
+- legacy torch pickle: has no random access; the shard is loaded whole (the report says what it cost).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import zipfile
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .errors import CorruptCheckpointError
+from .types import CheckpointFormat, ConversionRead, LoadPlan, SubmodulePlan, TensorInfo
+
+__all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES"]
+
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+# Linux returns at most this many bytes from one read/preadv call.
+_MAX_SYSCALL_BYTES = 0x7FFFF000
+_MADV_DONTNEED = 4
+
+
+@dataclass
+class StreamStats:
+    """Counters the stream keeps while it runs (mutable on purpose: it is filled during the stream)."""
+
+    bytes_read: int = 0
+    files_read: list[str] = field(default_factory=list)
+    staging_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def opened(self, path: str) -> None:
+        if path not in self.files_read:
+            self.files_read.append(path)
+
+    def staged(self, nbytes: int) -> None:
+        self.staging_bytes = max(self.staging_bytes, nbytes)
+
+
+def chunk_spans(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` covering ``numel`` elements, each at most ``chunk_bytes`` bytes (min one element)."""
+    step = max(1, chunk_bytes // itemsize)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (for ``preadv``)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + _MAX_SYSCALL_BYTES]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(
+                f"{path}: expected {len(view)} bytes at offset {offset}, the file ended after {done}. "
+                "It was truncated while loading: copy it again."
+            )
+        done += n
+
+
+class _Staging:
+    """One reusable host buffer for chunks that cannot land in place (dtype change, or a device destination)."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self._buffers: dict[bool, torch.Tensor] = {}
+
+    def get(self, nbytes: int, *, pinned: bool, stats: StreamStats) -> torch.Tensor:
+        buf = self._buffers.get(pinned)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            self._buffers[pinned] = buf
+            stats.staged(sum(b.numel() for b in self._buffers.values()))
+        return buf[:nbytes]
+
+
+class SafetensorsReader:
+    """Reads safetensors tensors with ``preadv``; at most one file descriptor per file, closed after its last read."""
+
+    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats):
+        self._remaining = dict(plan_counts)
+        self._fds: dict[str, int] = {}
+        self._staging = _Staging(chunk_bytes)
+        self._chunk_bytes = chunk_bytes
+        self._stats = stats
+
+    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            self._stats.opened(info.file)
+        if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
+            _pread_exact(fd, _byte_view(dst), info.offset, info.file)
+        else:
+            flat = dst.view(-1)
+            pinned = dst.device.type == "cuda"
+            for start, stop in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes):
+                nbytes = (stop - start) * info.dtype.itemsize
+                buf = self._staging.get(nbytes, pinned=pinned, stats=self._stats)
+                _pread_exact(fd, _byte_view(buf), info.offset + start * info.dtype.itemsize, info.file)
+                flat[start:stop].copy_(buf.view(info.dtype))
+        self._stats.bytes_read += info.nbytes
+        self._remaining[info.file] -= 1
+        if self._remaining[info.file] == 0:
+            os.close(self._fds.pop(info.file))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Drop a mmapped CPU tensor's pages from this process's resident set (they stay in the page cache).
+
+    Written by hand because torch offers no way to unmap part of a ``torch.load(mmap=True)`` mapping; the
+    mapping is private and never written, so the kernel re-reads a dropped page from the file if touched again.
+    """
+    start = t.data_ptr()
+    length = t.numel() * t.element_size()
+    if length == 0:
+        return
+    page = mmap.PAGESIZE
+    aligned = start - start % page
+    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), _MADV_DONTNEED)
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _LIBC
+
+
+class TorchReader:
+    """Reads ``torch.save`` shards: one shard loaded at a time (mmapped for zip archives, whole for legacy pickles)."""
+
+    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats):
+        self._remaining = dict(plan_counts)
+        self._chunk_bytes = chunk_bytes
+        self._weights_only = weights_only
+        self._stats = stats
+        self._file: str | None = None
+        self._state: dict[str, torch.Tensor] | None = None
+        self._mmapped = False
+
+    def _load(self, path: str) -> dict[str, torch.Tensor]:
+        if self._file != path:
+            self.close()
+            self._mmapped = zipfile.is_zipfile(path)
+            self._state = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=self._mmapped)
+            self._file = path
+            self._stats.opened(path)
+            if not self._mmapped:
+                size = os.path.getsize(path)
+                self._stats.staged(size)
+                self._stats.notes.append(
+                    f"{path} is a legacy (non-zip) torch pickle: it was loaded whole, costing {size} bytes "
+                    "of host memory at once. Re-save it with torch.save (torch>=1.6) or as safetensors to stream it."
+                )
+        return self._state
+
+    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+        src = self._load(info.file)[info.key]
+        if self._mmapped and src.is_contiguous():
+            s, d = src.view(-1), dst.view(-1)
+            for start, stop in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes):
+                d[start:stop].copy_(s[start:stop])
+                _release_pages(s[start:stop])
+        else:
+            dst.copy_(src)
+            if self._mmapped:
+                _release_pages(src)
+        self._stats.bytes_read += info.nbytes
+        self._remaining[info.file] -= 1
+        if self._remaining[info.file] == 0:
+            self.close()
+
+    def close(self) -> None:
+        # Dropping the last reference to the loaded state unmaps the file (zip) or frees it (legacy).
+        self._state = None
+        self._file = None
+
+
+def _reader(fmt: str, counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats):
+    if fmt == CheckpointFormat.SAFETENSORS:
+        return SafetensorsReader(counts, chunk_bytes, stats)
+    return TorchReader(counts, chunk_bytes, weights_only, stats)
+
+
+def stream(
+    plan: LoadPlan,
+    *,
+    checkpoint_format: str,
+    device: torch.device,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    weights_only: bool = True,
+    stats: StreamStats,
+) -> Iterator[tuple[SubmodulePlan, dict[str, torch.Tensor], list[tuple[ConversionRead, list[torch.Tensor]]]]]:
+    """Yield, per submodule in plan order, its loaded tensors (final dtype/device) and its staged converter inputs.
+
+    The caller assigns each submodule before asking for the next; nothing is kept here between submodules
+    except the staging buffer and open file handles (closed after each file's last read, and on exit).
+    """
+    counts: dict[str, int] = {}
+    for sub in plan.submodules:
+        for r in sub.reads:
+            counts[r.source.file] = counts.get(r.source.file, 0) + 1
+        for c in sub.conversions:
+            for _, info in c.sources:
+                counts[info.file] = counts.get(info.file, 0) + 1
+    reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats)
+    try:
+        for sub in plan.submodules:
+            tensors = {}
+            for r in sub.reads:
+                dst = torch.empty(r.source.shape, dtype=r.decision.dtype, device=device)
+                reader.read_into(r.source, dst)
+                tensors[r.target] = dst
+            staged = []
+            for c in sub.conversions:
+                # transformers converts on the sources cast to the target dtype; stage exactly that.
+                inputs = [torch.empty(i.shape, dtype=c.decision.dtype, device=device) for _, i in c.sources]
+                for (_, info), dst in zip(c.sources, inputs):
+                    reader.read_into(info, dst)
+                stats.staged(sum(t.numel() * t.element_size() for t in inputs))
+                staged.append((c, inputs))
+            yield sub, tensors, staged
+    finally:
+        reader.close()

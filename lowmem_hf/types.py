@@ -1,0 +1,206 @@
+"""The data that crosses stage boundaries: resolve -> plan -> stream -> assign.
+
+Every class here is a frozen dataclass; a stage receives one and returns another, never mutates one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "CheckpointFormat",
+    "TensorInfo",
+    "Checkpoint",
+    "TensorRead",
+    "ConversionRead",
+    "SubmodulePlan",
+    "LoadPlan",
+    "DtypeDecision",
+    "LoadReport",
+]
+
+
+class CheckpointFormat:
+    """How a weight file stores its tensors (a namespace of string constants)."""
+
+    SAFETENSORS = "safetensors"
+    TORCH_ZIP = "torch_zip"  # torch.save since 1.6: a zip archive, one record per storage
+    TORCH_LEGACY = "torch_legacy"  # the pre-1.6 pickle stream: no random access at all
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as stored in a checkpoint file, known from headers alone."""
+
+    key: str
+    """The key as written in the checkpoint (before any rename)."""
+    file: str
+    """Absolute path of the file that holds it."""
+    dtype: torch.dtype
+    """The stored dtype."""
+    shape: tuple[int, ...]
+    """The stored shape."""
+    offset: int | None
+    """Absolute byte offset of the first element in ``file`` (safetensors); ``None`` where the format hides it."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved checkpoint: where the config and every tensor are, read from headers only."""
+
+    name_or_path: str
+    """What the caller passed."""
+    directory: str
+    """The local folder holding config and weights (subfolder applied)."""
+    format: str
+    """One of the ``CheckpointFormat`` values; one format per checkpoint."""
+    files: tuple[str, ...]
+    """The weight files, in index order."""
+    tensors: Mapping[str, TensorInfo]
+    """Every stored tensor by checkpoint key."""
+    index_metadata: Mapping[str, Any] | None
+    """The ``metadata`` block of a sharded index, ``None`` for a single file."""
+    header_bytes: int
+    """Bytes read to learn the above (headers and index; pickles for ``.bin``)."""
+
+
+@dataclass(frozen=True)
+class DtypeDecision:
+    """Which dtype a tensor gets, and which rule chose it."""
+
+    dtype: torch.dtype
+    rule: str
+    """``declared``, ``loaded``, ``module`` (the module builds it in another dtype), ``keep_in_fp32``,
+    ``keep_in_fp32_strict`` or ``override:<pattern>``."""
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """Read one checkpoint tensor into one model parameter or buffer."""
+
+    target: str
+    """Fully qualified name in the model."""
+    source: TensorInfo
+    decision: DtypeDecision
+
+
+@dataclass(frozen=True)
+class ConversionRead:
+    """Several checkpoint tensors that transformers converts (merge, split, concat...) into model tensors.
+
+    These cannot land in place: the sources are staged at the target dtype, converted with transformers'
+    own ``WeightConverter``, then assigned. The staging costs the group's bytes, once per group.
+    """
+
+    first_target: str
+    """The target key transformers files the group under."""
+    converter: Any
+    """A private copy of transformers' ``WeightConverter`` for this group."""
+    sources: tuple[tuple[str, TensorInfo], ...]
+    """``(source_pattern, tensor)`` in the order transformers collects them."""
+    decision: DtypeDecision
+
+
+@dataclass(frozen=True)
+class SubmodulePlan:
+    """Everything one submodule (e.g. one decoder layer) needs, streamed and assigned together."""
+
+    name: str
+    reads: tuple[TensorRead, ...]
+    conversions: tuple[ConversionRead, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this submodule occupies once loaded."""
+        direct = sum(r.source.numel * r.decision.dtype.itemsize for r in self.reads)
+        converted = sum(s.numel * c.decision.dtype.itemsize for c in self.conversions for _, s in c.sources)
+        return direct + converted
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What this process reads, from where, into which names and dtypes; computed before any tensor byte."""
+
+    submodules: tuple[SubmodulePlan, ...]
+    missing_keys: frozenset[str]
+    unexpected_keys: frozenset[str]
+    mismatched_keys: frozenset[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    """``(key, checkpoint_shape, model_shape)``, only with ``ignore_mismatched_sizes=True``."""
+    dtype: torch.dtype
+    """The model's declared dtype (``config.dtype``)."""
+    weight_conversions: tuple[Any, ...]
+    """transformers' renames/converters that matched a key; kept on the model for ``save_pretrained``."""
+
+    @property
+    def reads(self) -> tuple[TensorRead, ...]:
+        return tuple(r for s in self.submodules for r in s.reads)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for s in self.submodules:
+            for r in s.reads:
+                seen.setdefault(r.source.file)
+            for c in s.conversions:
+                for _, t in c.sources:
+                    seen.setdefault(t.file)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did. Also answers ``report["missing_keys"]`` etc. like transformers' loading info."""
+
+    missing_keys: frozenset[str]
+    unexpected_keys: frozenset[str]
+    mismatched_keys: frozenset[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    error_msgs: tuple[str, ...]
+    checkpoint_format: str
+    files_read: tuple[str, ...]
+    """Weight files opened, in the order they were read."""
+    bytes_read: int
+    """Bytes read from weight files (tensor data) plus ``header_bytes``."""
+    header_bytes: int
+    dtype: torch.dtype
+    """The declared model dtype (``config.dtype``)."""
+    dtype_policy: str
+    dtype_decisions: Mapping[str, DtypeDecision]
+    """Per loaded tensor: its dtype and the rule that chose it."""
+    model_bytes: int
+    """Bytes of all unique parameters and buffers of the returned model."""
+    staging_bytes: int
+    """Largest host staging held at once (chunk buffer, converted groups, legacy pickles)."""
+    wall_seconds: float
+    peak_rss_anon_bytes: int
+    """Largest ``RssAnon`` seen in this process at submodule boundaries (0 where /proc is absent)."""
+    peak_vm_hwm_bytes: int
+    """``VmHWM`` of this process after the load (includes file-backed pages; 0 where /proc is absent)."""
+    notes: tuple[str, ...] = field(default=())
+    """Anything the caller should know (e.g. a legacy pickle that had to be read whole)."""
+
+    _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+
+    def __getitem__(self, key: str):
+        if key not in self._LEGACY_KEYS:
+            raise KeyError(f"{key!r}: a LoadReport answers {', '.join(self._LEGACY_KEYS)} by key; read other fields as attributes")
+        value = getattr(self, key)
+        return list(value) if key == "error_msgs" else set(value)
+
+    def keys(self):
+        return iter(self._LEGACY_KEYS)
+
+    def to_dict(self) -> dict:
+        """The four entries of transformers' ``output_loading_info`` dict, with transformers' container types."""
+        return {k: self[k] for k in self._LEGACY_KEYS}
