@@ -96,7 +96,8 @@ def _reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) 
     if not unknown:
         return
     valid = set(inspect.signature(LowMemAutoModelBase.from_pretrained).parameters) | set(_NOT_IMPLEMENTED)
-    valid |= set(config.to_dict()) | _init_params(model_class)
+    properties = {n for n in dir(type(config)) if isinstance(getattr(type(config), n, None), property) and not n.startswith("_")}
+    valid |= set(config.to_dict()) | properties | _init_params(model_class)
     messages = []
     for name in sorted(unknown):
         close = difflib.get_close_matches(name, sorted(valid), n=1)
