@@ -1,8 +1,9 @@
 """Stream: read each planned tensor straight into memory of its final dtype and device, submodule by submodule.
 
-Readers, one per storage format, share one contract: ``read_into(info, dst)`` fills ``dst`` (already of
-the decided dtype and device) with the stored tensor, converting on the fly in bounded chunks, and
-keeps no mapping or buffer of the file afterwards.
+Readers, one per storage format, share one contract: ``jobs(info, dst)`` returns independent chunk reads
+that together fill ``dst`` (already of the decided dtype and device) with the stored tensor, converting on
+the fly, and ``done(info)`` accounts for it; nothing of the file stays mapped or buffered afterwards. The
+chunks of one submodule run on a small thread pool.
 
 - safetensors: ``preadv`` of the tensor's byte range. Same dtype on CPU: straight into the destination's
   memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` (pinned when
@@ -16,20 +17,26 @@ keeps no mapping or buffer of the file afterwards.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
+import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .errors import CorruptCheckpointError
 from .types import CheckpointFormat, ConversionRead, LoadPlan, SubmodulePlan, TensorInfo
 
-__all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+# Chunks of one submodule are read by this many threads: preadv and copy_ release the GIL, so reading one
+# chunk overlaps converting another. More threads than cores only add contention.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Linux returns at most this many bytes from one read/preadv call.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
 _MADV_DONTNEED = 4
@@ -76,46 +83,66 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 
 class _Staging:
-    """One reusable host buffer for chunks that cannot land in place (dtype change, or a device destination)."""
+    """One reusable host buffer per worker thread for chunks that cannot land in place (dtype change, or a
+    device destination): host staging is ``workers x chunk_bytes`` at most, whatever the model size."""
 
-    def __init__(self, chunk_bytes: int):
-        self.chunk_bytes = chunk_bytes
-        self._buffers: dict[bool, torch.Tensor] = {}
+    def __init__(self, stats: StreamStats):
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._total = 0
+        self._stats = stats
 
-    def get(self, nbytes: int, *, pinned: bool, stats: StreamStats) -> torch.Tensor:
-        buf = self._buffers.get(pinned)
+    def get(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buf = buffers.get(pinned)
         if buf is None or buf.numel() < nbytes:
+            grown = max(nbytes, 1) - (buf.numel() if buf is not None else 0)
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-            self._buffers[pinned] = buf
-            stats.staged(sum(b.numel() for b in self._buffers.values()))
+            buffers[pinned] = buf
+            with self._lock:
+                self._total += grown
+                self._stats.staged(self._total)
         return buf[:nbytes]
 
 
 class SafetensorsReader:
-    """Reads safetensors tensors with ``preadv``; at most one file descriptor per file, closed after its last read."""
+    """Reads safetensors tensors with ``preadv``; one file descriptor per file, closed after its last tensor."""
 
     def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats):
         self._remaining = dict(plan_counts)
         self._fds: dict[str, int] = {}
-        self._staging = _Staging(chunk_bytes)
+        self._staging = _Staging(stats)
         self._chunk_bytes = chunk_bytes
         self._stats = stats
 
-    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+    def jobs(self, info: TensorInfo, dst: torch.Tensor) -> list[Callable[[], None]]:
+        """Independent chunk reads that together fill ``dst``; safe to run on several threads at once."""
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
             self._stats.opened(info.file)
+        itemsize = info.dtype.itemsize
+        spans = chunk_spans(info.numel, itemsize, self._chunk_bytes)
         if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
-            _pread_exact(fd, _byte_view(dst), info.offset, info.file)
-        else:
-            flat = dst.view(-1)
-            pinned = dst.device.type == "cuda"
-            for start, stop in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes):
-                nbytes = (stop - start) * info.dtype.itemsize
-                buf = self._staging.get(nbytes, pinned=pinned, stats=self._stats)
-                _pread_exact(fd, _byte_view(buf), info.offset + start * info.dtype.itemsize, info.file)
-                flat[start:stop].copy_(buf.view(info.dtype))
+            view = _byte_view(dst)
+
+            def direct(start: int, stop: int) -> None:
+                _pread_exact(fd, view[start * itemsize : stop * itemsize], info.offset + start * itemsize, info.file)
+
+            return [functools.partial(direct, a, b) for a, b in spans]
+
+        flat = dst.view(-1)
+        pinned = dst.device.type == "cuda"
+
+        def staged(start: int, stop: int) -> None:
+            buf = self._staging.get((stop - start) * itemsize, pinned=pinned)
+            _pread_exact(fd, _byte_view(buf), info.offset + start * itemsize, info.file)
+            flat[start:stop].copy_(buf.view(info.dtype))
+
+        return [functools.partial(staged, a, b) for a, b in spans]
+
+    def done(self, info: TensorInfo) -> None:
+        """Account one finished tensor; close its file after the last one."""
         self._stats.bytes_read += info.nbytes
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
@@ -181,17 +208,25 @@ class TorchReader:
                 )
         return self._state
 
-    def read_into(self, info: TensorInfo, dst: torch.Tensor) -> None:
+    def jobs(self, info: TensorInfo, dst: torch.Tensor) -> list[Callable[[], None]]:
         src = self._load(info.file)[info.key]
-        if self._mmapped and src.is_contiguous():
-            s, d = src.view(-1), dst.view(-1)
-            for start, stop in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes):
-                d[start:stop].copy_(s[start:stop])
-                _release_pages(s[start:stop])
-        else:
-            dst.copy_(src)
-            if self._mmapped:
-                _release_pages(src)
+        if not (self._mmapped and src.is_contiguous()):
+
+            def whole() -> None:
+                dst.copy_(src)
+                if self._mmapped:
+                    _release_pages(src)
+
+            return [whole]
+        s, d = src.view(-1), dst.view(-1)
+
+        def chunk(start: int, stop: int) -> None:
+            d[start:stop].copy_(s[start:stop])
+            _release_pages(s[start:stop])
+
+        return [functools.partial(chunk, a, b) for a, b in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes)]
+
+    def done(self, info: TensorInfo) -> None:
         self._stats.bytes_read += info.nbytes
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
@@ -216,6 +251,7 @@ def stream(
     device: torch.device,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     weights_only: bool = True,
+    workers: int = DEFAULT_WORKERS,
     stats: StreamStats,
 ) -> Iterator[tuple[SubmodulePlan, dict[str, torch.Tensor], list[tuple[ConversionRead, list[torch.Tensor]]]]]:
     """Yield, per submodule in plan order, its loaded tensors (final dtype/device) and its staged converter inputs.
@@ -231,21 +267,34 @@ def stream(
             for _, info in c.sources:
                 counts[info.file] = counts.get(info.file, 0) + 1
     reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
+
+    def fill(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
+        """Read every (source, destination) pair, chunks spread over the pool; files close in order after."""
+        jobs = [job for info, dst in pairs for job in reader.jobs(info, dst)]
+        if pool is None:
+            for job in jobs:
+                job()
+        else:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()  # re-raises the first error, e.g. a file truncated mid-load
+        for info, _ in pairs:
+            reader.done(info)
+
     try:
         for sub in plan.submodules:
-            tensors = {}
-            for r in sub.reads:
-                dst = torch.empty(r.source.shape, dtype=r.decision.dtype, device=device)
-                reader.read_into(r.source, dst)
-                tensors[r.target] = dst
+            tensors = {r.target: torch.empty(r.source.shape, dtype=r.decision.dtype, device=device) for r in sub.reads}
             staged = []
+            pairs = [(r.source, tensors[r.target]) for r in sub.reads]
             for c in sub.conversions:
                 # transformers converts on the sources cast to the target dtype; stage exactly that.
                 inputs = [torch.empty(i.shape, dtype=c.decision.dtype, device=device) for _, i in c.sources]
-                for (_, info), dst in zip(c.sources, inputs):
-                    reader.read_into(info, dst)
+                pairs += [(info, dst) for (_, info), dst in zip(c.sources, inputs)]
                 stats.staged(sum(t.numel() * t.element_size() for t in inputs))
                 staged.append((c, inputs))
+            fill(pairs)
             yield sub, tensors, staged
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         reader.close()

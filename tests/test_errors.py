@@ -89,15 +89,15 @@ def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, m
     # The header promised the bytes; if the file shrinks after planning, the reader must notice.
     from lowmem_hf import stream as stream_mod
 
-    original = stream_mod.SafetensorsReader.read_into
+    original = stream_mod.SafetensorsReader.jobs
     shard = sharded_llama / "model-00003-of-00003.safetensors"
 
-    def shrink_then_read(self, info, dst):
+    def shrink_then_plan(self, info, dst):
         if info.file == str(shard) and shard.stat().st_size > 100:
             os.truncate(shard, 100)
         return original(self, info, dst)
 
-    monkeypatch.setattr(stream_mod.SafetensorsReader, "read_into", shrink_then_read)
+    monkeypatch.setattr(stream_mod.SafetensorsReader, "jobs", shrink_then_plan)
     with pytest.raises(CorruptCheckpointError, match="the file ended"):
         Causal.from_pretrained(sharded_llama)
 
