@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from transformers.distributed.sharding_utils import _dtensor_from_local_like
 from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils.loading_report import LoadStateDictInfo
 
@@ -30,6 +32,10 @@ def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         return
     if leaf in module._parameters:
         ref = module._parameters[leaf]
+        if ref is not None and isinstance(ref.data, DTensor):
+            # A tensor-parallel parameter: this rank's slice becomes the local shard of a DTensor with the
+            # placements transformers gave the meta parameter.
+            value = _dtensor_from_local_like(value, ref.data)
         cls = type(ref) if ref is not None else torch.nn.Parameter
         requires_grad = ref.requires_grad if ref is not None else value.is_floating_point()
         param = cls(value, requires_grad=requires_grad and (value.is_floating_point() or value.is_complex()))

@@ -29,7 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import CorruptCheckpointError
-from .types import CheckpointFormat, ConversionRead, LoadPlan, SubmodulePlan, TensorInfo
+from .plan.sharding import chunk_runs, element_runs
+from .types import CheckpointFormat, ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo
 
 __all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
 
@@ -115,35 +116,45 @@ class SafetensorsReader:
         self._chunk_bytes = chunk_bytes
         self._stats = stats
 
-    def jobs(self, info: TensorInfo, dst: torch.Tensor) -> list[Callable[[], None]]:
-        """Independent chunk reads that together fill ``dst``; safe to run on several threads at once."""
+    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
+        """Independent chunk reads that together fill ``dst`` with the tensor (or its ``shard`` slice).
+
+        Only the slice's bytes are read: a dim-0 slice is one byte range, a slice of another dim one range
+        per leading index. Safe to run on several threads at once.
+        """
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
             self._stats.opened(info.file)
         itemsize = info.dtype.itemsize
-        spans = chunk_spans(info.numel, itemsize, self._chunk_bytes)
+        chunks = chunk_runs(element_runs(info.shape, shard), itemsize, self._chunk_bytes)
         if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
             view = _byte_view(dst)
 
-            def direct(start: int, stop: int) -> None:
-                _pread_exact(fd, view[start * itemsize : stop * itemsize], info.offset + start * itemsize, info.file)
+            def direct(chunk: list[tuple[int, int, int]]) -> None:
+                for src, at, n in chunk:
+                    _pread_exact(fd, view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize, info.file)
 
-            return [functools.partial(direct, a, b) for a, b in spans]
+            return [functools.partial(direct, c) for c in chunks]
 
         flat = dst.view(-1)
         pinned = dst.device.type == "cuda"
 
-        def staged(start: int, stop: int) -> None:
-            buf = self._staging.get((stop - start) * itemsize, pinned=pinned)
-            _pread_exact(fd, _byte_view(buf), info.offset + start * itemsize, info.file)
-            flat[start:stop].copy_(buf.view(info.dtype))
+        def staged(chunk: list[tuple[int, int, int]]) -> None:
+            total = sum(n for _, _, n in chunk)
+            buf = self._staging.get(total * itemsize, pinned=pinned)
+            bytes_view, pos = _byte_view(buf), 0
+            for src, _, n in chunk:
+                _pread_exact(fd, bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize, info.file)
+                pos += n * itemsize
+            first = chunk[0][1]  # the runs of a chunk are consecutive in the destination
+            flat[first : first + total].copy_(buf.view(info.dtype))
 
-        return [functools.partial(staged, a, b) for a, b in spans]
+        return [functools.partial(staged, c) for c in chunks]
 
-    def done(self, info: TensorInfo) -> None:
-        """Account one finished tensor; close its file after the last one."""
-        self._stats.bytes_read += info.nbytes
+    def done(self, info: TensorInfo, nbytes: int) -> None:
+        """Account one finished tensor (``nbytes`` read); close its file after the last one."""
+        self._stats.bytes_read += nbytes
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
             os.close(self._fds.pop(info.file))
@@ -208,26 +219,27 @@ class TorchReader:
                 )
         return self._state
 
-    def jobs(self, info: TensorInfo, dst: torch.Tensor) -> list[Callable[[], None]]:
-        src = self._load(info.file)[info.key]
+    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
+        full = self._load(info.file)[info.key]
+        src = full.narrow(shard.dim, shard.start, shard.stop - shard.start) if shard else full
         if not (self._mmapped and src.is_contiguous()):
 
             def whole() -> None:
                 dst.copy_(src)
-                if self._mmapped:
-                    _release_pages(src)
+                if self._mmapped and full.is_contiguous():
+                    _release_pages(full)
 
             return [whole]
-        s, d = src.view(-1), dst.view(-1)
+        s, d = src.reshape(-1), dst.view(-1)
 
         def chunk(start: int, stop: int) -> None:
             d[start:stop].copy_(s[start:stop])
             _release_pages(s[start:stop])
 
-        return [functools.partial(chunk, a, b) for a, b in chunk_spans(info.numel, info.dtype.itemsize, self._chunk_bytes)]
+        return [functools.partial(chunk, a, b) for a, b in chunk_spans(src.numel(), info.dtype.itemsize, self._chunk_bytes)]
 
-    def done(self, info: TensorInfo) -> None:
-        self._stats.bytes_read += info.nbytes
+    def done(self, info: TensorInfo, nbytes: int) -> None:
+        self._stats.bytes_read += nbytes
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
             self.close()
@@ -269,27 +281,27 @@ def stream(
     reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
 
-    def fill(pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
-        """Read every (source, destination) pair, chunks spread over the pool; files close in order after."""
-        jobs = [job for info, dst in pairs for job in reader.jobs(info, dst)]
+    def fill(pairs: list[tuple[TensorInfo, torch.Tensor, ShardSpec | None]]) -> None:
+        """Read every (source, destination, slice), chunks spread over the pool; files close in order after."""
+        jobs = [job for info, dst, shard in pairs for job in reader.jobs(info, dst, shard)]
         if pool is None:
             for job in jobs:
                 job()
         else:
             for future in [pool.submit(job) for job in jobs]:
                 future.result()  # re-raises the first error, e.g. a file truncated mid-load
-        for info, _ in pairs:
-            reader.done(info)
+        for info, dst, _ in pairs:
+            reader.done(info, dst.numel() * info.dtype.itemsize)
 
     try:
         for sub in plan.submodules:
-            tensors = {r.target: torch.empty(r.source.shape, dtype=r.decision.dtype, device=device) for r in sub.reads}
+            tensors = {r.target: torch.empty(r.local_shape, dtype=r.decision.dtype, device=device) for r in sub.reads}
             staged = []
-            pairs = [(r.source, tensors[r.target]) for r in sub.reads]
+            pairs = [(r.source, tensors[r.target], r.shard) for r in sub.reads]
             for c in sub.conversions:
                 # transformers converts on the sources cast to the target dtype; stage exactly that.
                 inputs = [torch.empty(i.shape, dtype=c.decision.dtype, device=device) for _, i in c.sources]
-                pairs += [(info, dst) for (_, info), dst in zip(c.sources, inputs)]
+                pairs += [(info, dst, None) for (_, info), dst in zip(c.sources, inputs)]
                 stats.staged(sum(t.numel() * t.element_size() for t in inputs))
                 staged.append((c, inputs))
             fill(pairs)

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointFormat",
     "TensorInfo",
     "Checkpoint",
+    "ShardSpec",
     "TensorRead",
     "ConversionRead",
     "SubmodulePlan",
@@ -87,13 +88,41 @@ class DtypeDecision:
 
 
 @dataclass(frozen=True)
+class ShardSpec:
+    """This rank's slice of one parameter: ``[start, stop)`` along ``dim`` of the global shape."""
+
+    style: str
+    """The tensor-parallel style that shards it (transformers' name, e.g. ``colwise``)."""
+    dim: int
+    start: int
+    stop: int
+    tp_rank: int
+    tp_size: int
+
+    def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(global_shape)
+        shape[self.dim] = self.stop - self.start
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
 class TensorRead:
-    """Read one checkpoint tensor into one model parameter or buffer."""
+    """Read one checkpoint tensor (or this rank's slice of it) into one model parameter or buffer."""
 
     target: str
     """Fully qualified name in the model."""
     source: TensorInfo
     decision: DtypeDecision
+    shard: ShardSpec | None = None
+    """The slice this rank reads; ``None`` reads the whole tensor."""
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shard.local_shape(self.source.shape) if self.shard else self.source.shape
+
+    @property
+    def local_nbytes(self) -> int:
+        return math.prod(self.local_shape) * self.source.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -124,7 +153,7 @@ class SubmodulePlan:
     @property
     def nbytes(self) -> int:
         """Bytes this submodule occupies once loaded."""
-        direct = sum(r.source.numel * r.decision.dtype.itemsize for r in self.reads)
+        direct = sum(math.prod(r.local_shape) * r.decision.dtype.itemsize for r in self.reads)
         converted = sum(s.numel * c.decision.dtype.itemsize for c in self.conversions for _, s in c.sources)
         return direct + converted
 
@@ -142,6 +171,8 @@ class LoadPlan:
     """The model's declared dtype (``config.dtype``)."""
     weight_conversions: tuple[Any, ...]
     """transformers' renames/converters that matched a key; kept on the model for ``save_pretrained``."""
+    shards: Mapping[str, ShardSpec] = field(default_factory=dict)
+    """Tensor parallelism: this rank's slice of every sharded parameter (empty without TP)."""
 
     @property
     def reads(self) -> tuple[TensorRead, ...]:
@@ -189,6 +220,8 @@ class LoadReport:
     """``VmHWM`` of this process after the load (includes file-backed pages; 0 where /proc is absent)."""
     notes: tuple[str, ...] = field(default=())
     """Anything the caller should know (e.g. a legacy pickle that had to be read whole)."""
+    shards: Mapping[str, ShardSpec] = field(default_factory=dict)
+    """Tensor parallelism: the slice of each sharded parameter this rank holds (empty without TP)."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

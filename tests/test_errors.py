@@ -92,10 +92,10 @@ def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, m
     original = stream_mod.SafetensorsReader.jobs
     shard = sharded_llama / "model-00003-of-00003.safetensors"
 
-    def shrink_then_plan(self, info, dst):
+    def shrink_then_plan(self, info, dst, spec=None):
         if info.file == str(shard) and shard.stat().st_size > 100:
             os.truncate(shard, 100)
-        return original(self, info, dst)
+        return original(self, info, dst, spec)
 
     monkeypatch.setattr(stream_mod.SafetensorsReader, "jobs", shrink_then_plan)
     with pytest.raises(CorruptCheckpointError, match="the file ended"):

@@ -6,10 +6,10 @@ shape mismatch or an unknown policy fails before I/O, and the stream stage only 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from ..errors import ShapeMismatchError
-from ..types import Checkpoint, ConversionRead, DtypeDecision, LoadPlan, SubmodulePlan, TensorRead
+from ..errors import ShapeMismatchError, UnsupportedConversionError
+from ..types import Checkpoint, ConversionRead, DtypeDecision, LoadPlan, ShardSpec, SubmodulePlan, TensorRead
 from .dtypes import DtypePolicy
 from .keys import KeyMapping
 
@@ -36,12 +36,14 @@ def make_plan(
     policy: DtypePolicy,
     *,
     ignore_mismatched_sizes: bool,
+    shards: Mapping[str, ShardSpec] | None = None,
 ) -> LoadPlan:
     """Turn the key mapping into per-submodule reads with dtype decisions.
 
     Raises:
         ShapeMismatchError: a stored shape differs from its parameter and ``ignore_mismatched_sizes`` is False.
     """
+    shards = dict(shards or {})
     model_tensors = model.state_dict()
     reads: list[TensorRead] = []
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
@@ -51,7 +53,8 @@ def make_plan(
         if tuple(ref.shape) != info.shape:
             mismatched.append((target, info.shape, tuple(ref.shape)))
             continue
-        reads.append(TensorRead(target, info, policy.decide(target, stored=info.dtype, module=ref.dtype)))
+        decision = policy.decide(target, stored=info.dtype, module=ref.dtype)
+        reads.append(TensorRead(target, info, decision, shards.get(target)))
 
     if mismatched and not ignore_mismatched_sizes:
         lines = "\n".join(
@@ -67,6 +70,13 @@ def make_plan(
 
     conversions: list[ConversionRead] = []
     for first_target, (converter, sources) in mapping.converted.items():
+        if shards:
+            raise UnsupportedConversionError(
+                f"{type(model).__name__} (model_type={model.config.model_type!r}): transformers converts checkpoint keys "
+                f"{[k for _, k in sources][:2]}... into {first_target} with {converter!r}; lowmem_hf cannot slice a "
+                "converted tensor per rank. Load it without tensor parallelism, or re-save the checkpoint with "
+                "transformers (save_pretrained) in the model's own layout."
+            )
         ref = model_tensors[first_target]
         infos = tuple((pattern, checkpoint.tensors[key]) for pattern, key in sources)
         # transformers casts every source to the first target's dtype before converting
@@ -83,6 +93,7 @@ def make_plan(
         mismatched_keys=frozenset(mismatched),
         dtype=policy.dtype,
         weight_conversions=mapping.used_transforms,
+        shards=shards,
     )
 
 

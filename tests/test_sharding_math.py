@@ -1,0 +1,75 @@
+"""The pure arithmetic of tensor-parallel slices: bounds, byte runs, chunks, and the errors before any read."""
+
+import pytest
+import torch
+
+from lowmem_hf.plan.sharding import (
+    STYLE_SHARDING,
+    UnsupportedStyleError,
+    check_head_divisibility,
+    chunk_runs,
+    element_runs,
+    shard_specs,
+    slice_bounds,
+)
+from lowmem_hf.types import ShardSpec
+
+
+def spec(dim, start, stop):
+    return ShardSpec("colwise", dim, start, stop, 0, 2)
+
+
+@pytest.mark.parametrize("shape,dim,start,stop", [((6, 4), 0, 3, 6), ((6, 4), 1, 2, 4), ((2, 3, 4), 1, 1, 2), ((8,), 0, 4, 8)])
+def test_element_runs_concatenate_to_the_slice(shape, dim, start, stop):
+    full = torch.arange(torch.Size(shape).numel())
+    expected = full.reshape(shape).narrow(dim, start, stop - start).reshape(-1)
+    runs = element_runs(shape, spec(dim, start, stop))
+    got = torch.cat([full[s : s + n] for s, n in runs])
+    assert torch.equal(got, expected)
+
+
+def test_dim0_slice_is_one_run_and_dim1_one_run_per_row():
+    assert element_runs((6, 4), spec(0, 3, 6)) == [(12, 12)]
+    assert element_runs((6, 4), spec(1, 2, 4)) == [(2, 2), (6, 2), (10, 2), (14, 2), (18, 2), (22, 2)]
+    assert element_runs((6, 4), None) == [(0, 24)]
+
+
+def test_chunk_runs_bound_every_chunk_and_keep_destinations_consecutive():
+    runs = [(0, 5), (10, 5), (20, 5)]
+    chunks = chunk_runs(runs, itemsize=4, chunk_bytes=28)  # 7 elements per chunk
+    assert all(sum(n for *_, n in c) <= 7 for c in chunks)
+    flat = [(s, d, n) for c in chunks for s, d, n in c]
+    assert sum(n for *_, n in flat) == 15
+    for c in chunks:
+        assert all(c[i][1] + c[i][2] == c[i + 1][1] for i in range(len(c) - 1))
+    assert chunks[0] == [(0, 0, 5), (10, 5, 2)]
+
+
+def test_slice_bounds():
+    assert [slice_bounds(12, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+def test_styles_shard_the_dims_transformers_shards():
+    # weight [out, in]: colwise splits out (Shard(0)), rowwise splits in (Shard(-1)), rowwise bias replicated
+    assert STYLE_SHARDING["colwise"](2, "weight") == 0 and STYLE_SHARDING["colwise"](1, "bias") == 0
+    assert STYLE_SHARDING["rowwise"](2, "weight") == 1 and STYLE_SHARDING["rowwise"](1, "bias") is None
+    assert STYLE_SHARDING["embedding_rowwise"](2, "weight") == 0
+
+
+def test_non_dividing_dimension_names_parameter_dim_and_sizes():
+    with pytest.raises(ValueError, match=r"layers.0.mlp.up_proj.weight has 10 along dimension 0 .* tp_size=4 does not divide"):
+        shard_specs({"layers.0.mlp.up_proj.weight": (10, 8)}, {"layers.0.mlp.up_proj.weight": "colwise"}, tp_rank=0, tp_size=4)
+
+
+def test_unknown_style_names_style_and_module():
+    with pytest.raises(UnsupportedStyleError, match=r"'packed_colwise' on layers.0.mlp.gate_up_proj"):
+        shard_specs({"layers.0.mlp.gate_up_proj.weight": (8, 8)}, {"layers.0.mlp.gate_up_proj.weight": "packed_colwise"}, tp_rank=0, tp_size=2)
+
+
+def test_heads_must_divide_even_when_rows_do():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_attention_heads=9, num_key_value_heads=9, hidden_size=72)
+    specs = shard_specs({"model.layers.0.self_attn.q_proj.weight": (72, 72)}, {"model.layers.0.self_attn.q_proj.weight": "colwise"}, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match=r"num_attention_heads=9 does not divide by tp_size=2"):
+        check_head_divisibility(config, specs, 2)
