@@ -32,11 +32,12 @@ def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         return
     if leaf in module._parameters:
         ref = module._parameters[leaf]
+        cls = type(ref) if ref is not None else torch.nn.Parameter
         if ref is not None and isinstance(ref.data, DTensor):
             # A tensor-parallel parameter: this rank's slice becomes the local shard of a DTensor with the
-            # placements transformers gave the meta parameter.
+            # placements transformers gave the meta parameter (a Parameter of a DTensor reports the DTensor class).
             value = _dtensor_from_local_like(value, ref.data)
-        cls = type(ref) if ref is not None else torch.nn.Parameter
+            cls = torch.nn.Parameter
         requires_grad = ref.requires_grad if ref is not None else value.is_floating_point()
         param = cls(value, requires_grad=requires_grad and (value.is_floating_point() or value.is_complex()))
         # transformers' init pass skips tensors carrying this flag: loaded weights must not be re-initialized
@@ -81,24 +82,36 @@ def assign_submodule(
             loading_info.missing_keys.discard(name)
 
 
-def finalize(model: Any, plan: LoadPlan, loading_info: LoadStateDictInfo, *, device: torch.device, name_or_path: str, ignore_mismatched_sizes: bool) -> None:
+def finalize(
+    model: Any,
+    plan: LoadPlan,
+    loading_info: LoadStateDictInfo,
+    *,
+    device: torch.device,
+    name_or_path: str,
+    ignore_mismatched_sizes: bool,
+    device_mesh: Any = None,
+) -> None:
     """Tie, rebuild non-persistent buffers, initialize what the checkpoint lacks: transformers' own finishing step."""
     config = LoadStateDictConfig(
         pretrained_model_name_or_path=name_or_path,
         ignore_mismatched_sizes=ignore_mismatched_sizes,
         device_map={"": device},
         dtype=plan.dtype,
+        device_mesh=device_mesh,
     )
     type(model)._finalize_model_loading(model, config, loading_info)
     model._weight_conversions = list(plan.weight_conversions)
 
 
 def model_nbytes(model: torch.nn.Module) -> int:
-    """Bytes of every unique parameter and buffer storage."""
+    """Bytes of every unique parameter and buffer storage held by this process (local shards under TP)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.device.type == "meta":
             continue
+        if isinstance(t.data, DTensor):
+            t = t.data.to_local()  # this rank's bytes
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

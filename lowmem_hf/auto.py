@@ -26,6 +26,7 @@ from .plan import DtypePolicy, build_on_meta, make_plan, map_checkpoint_keys, pa
 from .plan.planner import decisions_of
 from .resolve import resolve_local
 from .stream import DEFAULT_CHUNK_BYTES, StreamStats, stream
+from .tensor_parallel import distribute, plan_shards, request_tp
 from .types import LoadReport
 
 __all__ = ["LowMemAutoModelBase", "AUTO_CLASSES"]
@@ -40,10 +41,7 @@ _NOT_IMPLEMENTED = {
     "offload_folder": "disk offload is not supported",
     "offload_buffers": "disk offload is not supported",
     "offload_state_dict": "disk offload is not supported",
-    "distributed_config": "tensor parallelism is not supported yet",
-    "tp_plan": "tensor parallelism is not supported yet",
-    "tp_size": "tensor parallelism is not supported yet",
-    "device_mesh": "tensor parallelism is not supported yet",
+    "distributed_config": "pass tp_plan / tp_size (tensor parallelism only; FSDP, pipeline and expert parallelism are not supported)",
     "adapter_kwargs": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
     "adapter_name": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
     "use_kernels": "hub kernels are not supported",
@@ -162,6 +160,10 @@ class LowMemAutoModelBase:
         low_cpu_mem_usage: bool | None = None,
         disable_mmap: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        tp_plan: str | dict | None = None,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        device_mesh: Any = None,
         **config_overrides: Any,
     ):
         """Load a pretrained model like ``transformers.AutoModel*.from_pretrained``, at ~1.0x its size in memory.
@@ -193,6 +195,13 @@ class LowMemAutoModelBase:
             low_cpu_mem_usage: accepted for compatibility; lowmem_hf always streams (transformers 5 ignores it too).
             disable_mmap: accepted for compatibility; lowmem_hf never memory-maps safetensors.
             chunk_bytes: the staging chunk size for dtype conversion and device copies.
+            tp_plan: tensor parallelism: ``"auto"`` (the model's own plan: ``_tp_plan`` merged with
+                ``config.base_model_tp_plan``) or a dict of rules overriding it. Under a process group (or
+                torchrun) the model is sharded by transformers' TP engine and each rank reads only its slices;
+                see ``lowmem_hf.tensor_parallel``.
+            tp_size, tp_rank: default to the process group's. Without a group, both given: load only rank
+                ``tp_rank``'s slices as plain tensors (no TP forward); ``LoadReport.shards`` describes them.
+            device_mesh: a 1-D tp mesh; its size must equal ``tp_size``.
             **config_overrides: config attributes to override (``num_labels=3``), or arguments of the model's
                 ``__init__``, exactly as transformers routes them.
 
@@ -252,6 +261,7 @@ class LowMemAutoModelBase:
             generation_config=generation_config,
             output_loading_info=output_loading_info,
             chunk_bytes=chunk_bytes,
+            tp=dict(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh),
             overrides=config_overrides,
         )
 
@@ -318,12 +328,14 @@ class LowMemAutoModelBase:
         generation_config,
         output_loading_info,
         chunk_bytes,
+        tp,
         overrides,
     ):
         started = time.perf_counter()
         model_class, config, model_kwargs = cls._resolve_class_and_config(
             path, config, overrides, hub_kwargs=hub_kwargs, trust_remote_code=trust_remote_code, code_revision=code_revision
         )
+        tp_request = request_tp(model_class, **tp)
         _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
         if attn_implementation is not None:
             config._attn_implementation = attn_implementation
@@ -348,10 +360,15 @@ class LowMemAutoModelBase:
         # 2. build on meta
         model = build_on_meta(model_class, config, main_dtype, model_args, model_kwargs)
 
-        # 3. plan (validated before any tensor byte is read)
+        # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
+        shards = {}
+        if tp_request is not None:
+            shards, _ = plan_shards(model, tp_request)
+            if tp_request.distributed:
+                model = distribute(model_class, model, tp_request, shards)
         policy = DtypePolicy.for_model(model, mode=dtype_policy, dtype=main_dtype, overrides=dtype_overrides)
         mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=key_mapping)
-        plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=ignore_mismatched_sizes)
+        plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=ignore_mismatched_sizes, shards=shards)
 
         # 4-5. stream submodule by submodule, assigning each before reading the next
         loading_info = LoadStateDictInfo(
@@ -371,7 +388,10 @@ class LowMemAutoModelBase:
             peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
 
         # 6. finish as transformers does, then prove it
-        _assign.finalize(model, plan, loading_info, device=device, name_or_path=path, ignore_mismatched_sizes=ignore_mismatched_sizes)
+        _assign.finalize(
+            model, plan, loading_info, device=device, name_or_path=path,
+            ignore_mismatched_sizes=ignore_mismatched_sizes, device_mesh=getattr(model, "_device_mesh", None),
+        )
         _assign.apply_missing_overrides(model, policy, loading_info.missing_keys)
         model.eval()
         model.set_use_kernels(False, None)
@@ -385,6 +405,12 @@ class LowMemAutoModelBase:
         if not output_loading_info:
             return model
         notes = list(stats.notes) + [f"{src} duplicates {dst}; transformers keeps the first, so it was not read" for src, dst in mapping.duplicates]
+        if tp_request is not None and not tp_request.distributed:
+            notes.append(
+                f"Loaded only rank {tp_request.tp_rank} of {tp_request.tp_size}'s slices as plain tensors (no process "
+                "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "
+                "wraps these shards; LoadReport.shards says how each parameter is sliced."
+            )
         report = LoadReport(
             missing_keys=frozenset(loading_info.missing_keys),
             unexpected_keys=frozenset(loading_info.unexpected_keys),
@@ -403,6 +429,7 @@ class LowMemAutoModelBase:
             peak_rss_anon_bytes=max(peak_anon, _proc_status_bytes("RssAnon")),
             peak_vm_hwm_bytes=_proc_status_bytes("VmHWM"),
             notes=tuple(notes),
+            shards=dict(plan.shards),
         )
         return model, report
 

@@ -165,7 +165,7 @@ def test_model_init_keywords_reach_the_model(make_checkpoint):
         ({"gguf_file": "x.gguf"}, "gguf_file"),
         ({"device_map": "auto"}, "device_map='auto'"),
         ({"device_map": {"model": "cpu", "lm_head": "disk"}}, "device_map="),
-        ({"tp_plan": "auto"}, "tp_plan"),
+        ({"distributed_config": {}}, "distributed_config"),
         ({"state_dict": {}}, "state_dict"),
     ],
 )

@@ -1,0 +1,133 @@
+"""Tensor parallelism at load time: who this rank is, which plan applies, and transformers' TP engine.
+
+Two modes:
+
+- **distributed** (a process group is initialized, a ``device_mesh`` is given, or the process runs under
+  torchrun with ``tp_plan`` set): the model is sharded by transformers' own machinery
+  (``prepare_distribute_model`` + ``maybe_distribute_model``), giving meta DTensors with transformers'
+  placements and its TP forward; lowmem_hf then fills each local shard from its slice of the checkpoint.
+  Under torchrun with no group yet, ``prepare_distribute_model`` initializes one exactly as
+  ``transformers.from_pretrained(tp_plan=...)`` does; lowmem_hf never initializes one otherwise.
+- **local** (``tp_rank`` and ``tp_size`` given, no process group): rank ``tp_rank``'s slices are loaded
+  as plain tensors, with no TP forward; ``LoadReport.shards`` says how each parameter is sliced.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers.distributed import DistributedConfig
+
+from .plan.sharding import UnsupportedStyleError, check_head_divisibility, shard_specs
+from .types import ShardSpec
+
+__all__ = ["TPRequest", "request_tp", "plan_shards", "distribute"]
+
+
+@dataclass(frozen=True)
+class TPRequest:
+    """A validated tensor-parallel request."""
+
+    plan: Any
+    """``"auto"`` or a dict of overriding rules."""
+    tp_size: int
+    tp_rank: int
+    distributed: bool
+    """True: DTensors on a mesh with transformers' TP forward. False: plain local slices."""
+    distributed_config: Any = None
+    mesh_manager: Any = None
+
+
+def _under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def request_tp(model_class: type, *, tp_plan: Any, tp_size: int | None, tp_rank: int | None, device_mesh: Any) -> TPRequest | None:
+    """Validate the TP arguments and, in distributed mode, set up transformers' mesh. ``None``: no TP.
+
+    Raises:
+        ValueError: ``tp_rank >= tp_size``, a mesh whose size disagrees with ``tp_size``, a bad ``tp_plan``,
+            or TP asked for with neither a process group nor ``tp_rank``/``tp_size``.
+    """
+    if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None:
+        return None
+    plan = "auto" if tp_plan is None else tp_plan
+    if plan != "auto" and not isinstance(plan, Mapping):
+        raise ValueError(f"tp_plan must be 'auto' or a dict {{module_pattern: style}}, got {tp_plan!r}.")
+    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
+    if tp_size is not None and tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}.")
+    if tp_rank is not None and tp_size is not None and tp_rank >= tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is not a rank of tp_size={tp_size}; ranks are 0..{tp_size - 1}.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise NotImplementedError(f"device_mesh has {device_mesh.ndim} dimensions; lowmem_hf takes a 1-D tp mesh.")
+        if tp_size is not None and tp_size != device_mesh.size():
+            raise ValueError(f"device_mesh has {device_mesh.size()} ranks but tp_size={tp_size}; pass one or make them agree.")
+        tp_size = device_mesh.size()
+
+    group_ready = dist.is_available() and dist.is_initialized()
+    distributed = group_ready or device_mesh is not None or (_under_torchrun() and tp_rank is None)
+    if not distributed:
+        if tp_size is None or tp_rank is None:
+            raise ValueError(
+                "Tensor parallelism needs either an initialized process group (run under torchrun) or explicit "
+                f"tp_rank and tp_size to load one rank's slices without one; got tp_rank={tp_rank}, tp_size={tp_size}."
+            )
+        return TPRequest(plan=plan, tp_size=tp_size, tp_rank=tp_rank, distributed=False)
+
+    world = dist.get_world_size() if group_ready else int(os.environ["WORLD_SIZE"])
+    tp_size = world if tp_size is None else tp_size
+    if tp_size != world:
+        raise NotImplementedError(
+            f"tp_size={tp_size} on a world of {world} ranks: transformers' TP mesh spans every rank, so "
+            "tensor parallelism over a subset of ranks is not supported. Pass tp_size=world size."
+        )
+    config = DistributedConfig(tp_size=tp_size, tp_plan=dict(plan) if isinstance(plan, Mapping) else plan)
+    # transformers' own mesh set-up: under torchrun it initializes the process group like from_pretrained does.
+    config, _, mesh_manager = model_class.prepare_distribute_model(config)
+    rank = mesh_manager.get_mesh("tp").get_local_rank()
+    if tp_rank is not None and tp_rank != rank:
+        raise ValueError(f"tp_rank={tp_rank} but this process is rank {rank} of the tp mesh; omit tp_rank under a process group.")
+    return TPRequest(plan=plan, tp_size=tp_size, tp_rank=rank, distributed=True, distributed_config=config, mesh_manager=mesh_manager)
+
+
+def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], dict[str, str]]:
+    """This rank's slice of every sharded parameter, from transformers' resolved plan; validated, no I/O.
+
+    Returns:
+        ``(specs, resolved_plan)``.
+    """
+    config = request.distributed_config or DistributedConfig(
+        tp_size=request.tp_size, tp_plan=dict(request.plan) if isinstance(request.plan, Mapping) else request.plan
+    )
+    resolved, _, _ = model._resolve_parallel_plans(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    specs = shard_specs(shapes, resolved, tp_rank=request.tp_rank, tp_size=request.tp_size)
+    check_head_divisibility(model.config, specs, request.tp_size)
+    return specs, resolved
+
+
+def distribute(model_class: type, model: Any, request: TPRequest, specs: Mapping[str, ShardSpec]) -> Any:
+    """Shard the meta model with transformers' engine and check its placements agree with ``specs``."""
+    model = model_class.maybe_distribute_model(model, request.distributed_config, request.mesh_manager)
+    for name, param in model.named_parameters():
+        placements = param.data.placements if isinstance(param.data, DTensor) else (Replicate(),)
+        spec = specs.get(name)
+        placement = placements[0]
+        agrees = (spec is None and isinstance(placement, Replicate)) or (
+            spec is not None and type(placement) is Shard and placement.dim % param.ndim == spec.dim
+        )
+        if not agrees:
+            raise UnsupportedStyleError(
+                f"{name}: transformers placed it as {placement} but lowmem_hf planned "
+                f"{'a replica' if spec is None else f'Shard({spec.dim}) ({spec.style})'}; this TP style is not "
+                "supported by lowmem_hf. Override it in tp_plan or load without tensor parallelism."
+            )
+    return model
