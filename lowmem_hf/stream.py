@@ -34,7 +34,7 @@ from .types import CheckpointFormat, ConversionRead, LoadPlan, ShardSpec, Submod
 
 __all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
 
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 # Chunks of one submodule are read by this many threads: preadv and copy_ release the GIL, so reading one
 # chunk overlaps converting another. More threads than cores only add contention.
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
