@@ -16,14 +16,14 @@ import lowmem_hf
 ARCHS = {
     # 8 heads / 4 kv heads: divisible by 2 and 4 ranks
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, tie_word_embeddings=False)),
     "qwen2_tied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=8, tie_word_embeddings=False)),
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, tie_word_embeddings=False)),
 }
 
 
@@ -33,7 +33,7 @@ def tp_checkpoints(tmp_path_factory):
     paths = {}
     for name, build in ARCHS.items():
         torch.manual_seed(0)
-        build().save_pretrained(root / name, max_shard_size="40KB")
+        build().save_pretrained(root / name, max_shard_size="1MB")
         paths[name] = str(root / name)
     return paths
 
@@ -56,15 +56,20 @@ def _worker(rank: int, world: int, port: int, paths: dict, out_dir: str) -> None
     results = {}
     try:
         for name, path in paths.items():
-            ids = (torch.arange(16).reshape(2, 8) * 5 + 1) % 96
+            ids = (torch.arange(16).reshape(2, 8) * 5 + 1) % 256
             single = transformers.AutoModelForCausalLM.from_pretrained(path)
             with torch.no_grad():
                 expected = single(ids).logits
             theirs = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
 
+            # a first load pays lazy imports (module files count in rchar); measure the second
+            lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+            # rchar also counts socket reads: fence the load so no gloo traffic of other ranks lands inside it
+            dist.barrier()
             before = _rchar()
             ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, tp_plan="auto", output_loading_info=True)
             read_by_syscalls = _rchar() - before
+            dist.barrier()
 
             # the same sharded model: DTensors with transformers' placements, bit-identical local shards
             for (n, p_ours), (_, p_theirs) in zip(ours.named_parameters(), theirs.named_parameters()):
@@ -118,9 +123,11 @@ def test_ranks_read_only_their_slices_and_match_transformers(tp_checkpoints, tmp
         for name, r in results.items():
             assert r["max_diff"] < 1e-4, (name, rank, r)
             assert r["tensor_bytes_read"] == r["local_bytes"], (name, rank, r)
-            # every read syscall: the slices, the headers and indexes, config/generation json (a few KiB)
-            assert r["local_bytes"] <= r["rchar"] <= r["local_bytes"] + r["header_bytes"] + 64 * 1024, (name, rank, r)
-            assert r["tensor_bytes_read"] < r["checkpoint_bytes"] * (0.5 if world == 2 else 0.3) + 40_000, (name, rank, r)
+            # every read syscall: the slices, the headers and indexes, config/generation json (a few KiB); rank 0
+            # also hosts the TCPStore that the device-mesh set-up inside from_pretrained talks to (socket reads)
+            slack = 64 * 1024 + (128 * 1024 if rank == 0 else 0)
+            assert r["local_bytes"] <= r["rchar"] <= r["local_bytes"] + r["header_bytes"] + slack, (name, rank, r)
+            assert r["tensor_bytes_read"] < r["checkpoint_bytes"] / world * 1.05, (name, rank, r)
 
 
 def test_local_mode_loads_one_ranks_slices_without_a_group(tp_checkpoints):
@@ -141,7 +148,7 @@ def test_local_mode_loads_one_ranks_slices_without_a_group(tp_checkpoints):
     "kwargs,error,message",
     [
         ({"tp_rank": 2, "tp_size": 2}, ValueError, r"tp_rank=2 is not a rank of tp_size=2"),
-        ({"tp_rank": 0, "tp_size": 3}, ValueError, r"model.layers.0.self_attn.q_proj.weight has 64 along dimension 0 \(shape \[64, 64\], style .colwise.\), which tp_size=3 does not divide"),
+        ({"tp_rank": 0, "tp_size": 3}, ValueError, r"model.embed_tokens.weight has 256 along dimension 0 \(shape \[256, 256\], style .embedding_rowwise.\), which tp_size=3 does not divide"),
         ({"tp_plan": "auto"}, ValueError, r"needs either an initialized process group"),
         ({"tp_plan": {"model.layers.*.mlp.up_proj": "packed_colwise"}, "tp_rank": 0, "tp_size": 2}, NotImplementedError, r"'packed_colwise' on model.layers.0.mlp.up_proj"),
     ],
