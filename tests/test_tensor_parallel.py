@@ -165,3 +165,17 @@ def test_heads_that_do_not_divide_are_refused_up_front(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"q_proj.weight is sharded by attention head, but num_attention_heads=9"):
         lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(tmp_path, tp_rank=0, tp_size=2)
+
+
+@pytest.mark.parametrize("fmt", ["bin", "sharded"])
+def test_local_mode_slices_bin_and_safetensors_alike(make_checkpoint, fmt):
+    path = make_checkpoint("llama", fmt)  # 4 heads, 2 kv heads: tp_size 2
+    full = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).state_dict()
+    for rank in range(2):
+        model, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+            path, torch_dtype=torch.bfloat16, tp_rank=rank, tp_size=2, output_loading_info=True
+        )
+        for name, t in model.state_dict().items():
+            spec = report.shards.get(name)
+            expected = full[name].narrow(spec.dim, spec.start, spec.stop - spec.start) if spec else full[name]
+            assert torch.equal(t, expected), (name, rank)
