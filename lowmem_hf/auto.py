@@ -24,10 +24,12 @@ from transformers.utils.loading_report import LoadStateDictInfo
 from . import assign as _assign
 from .plan import DtypePolicy, build_on_meta, make_plan, map_checkpoint_keys, parse_dtype
 from .plan.planner import decisions_of
+from .fetch import FETCH_MODES, HttpRanges, fetch_files
+from .hub import pin_revision, resolve_hub
 from .resolve import resolve_local
 from .stream import DEFAULT_CHUNK_BYTES, StreamStats, stream
 from .tensor_parallel import distribute, plan_shards, request_tp
-from .types import LoadReport
+from .types import CheckpointFormat, LoadReport
 
 __all__ = ["LowMemAutoModelBase", "AUTO_CLASSES"]
 
@@ -160,6 +162,7 @@ class LowMemAutoModelBase:
         low_cpu_mem_usage: bool | None = None,
         disable_mmap: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        fetch: str = "files",
         tp_plan: str | dict | None = None,
         tp_size: int | None = None,
         tp_rank: int | None = None,
@@ -169,7 +172,7 @@ class LowMemAutoModelBase:
         """Load a pretrained model like ``transformers.AutoModel*.from_pretrained``, at ~1.0x its size in memory.
 
         Args:
-            pretrained_model_name_or_path: a local folder saved with ``save_pretrained``.
+            pretrained_model_name_or_path: a local folder saved with ``save_pretrained``, or a Hub repo id.
             *model_args: passed to the model's ``__init__``, as in transformers.
             torch_dtype: the declared dtype: a ``torch.dtype``, its name, or ``"auto"``/``None`` for the
                 config's dtype (else the checkpoint's), exactly as transformers 5 decides it.
@@ -202,6 +205,9 @@ class LowMemAutoModelBase:
             tp_size, tp_rank: default to the process group's. Without a group, both given: load only rank
                 ``tp_rank``'s slices as plain tensors (no TP forward); ``LoadReport.shards`` describes them.
             device_mesh: a 1-D tp mesh; its size must equal ``tp_size``.
+            fetch: for Hub repos: ``"files"`` downloads into the HF cache only the shard files this rank's plan
+                touches; ``"ranges"`` fetches only the planned byte ranges into memory and writes no shard to
+                disk (safetensors only; ``.bin`` shards are always fetched whole). Ignored for local folders.
             **config_overrides: config attributes to override (``num_labels=3``), or arguments of the model's
                 ``__init__``, exactly as transformers routes them.
 
@@ -228,6 +234,8 @@ class LowMemAutoModelBase:
             requested = parse_dtype(requested, argument="torch_dtype" if torch_dtype is not None else "dtype")
         elif isinstance(requested, dict):
             raise NotImplementedError("a per-sub-config dtype dict is not supported; use dtype_overrides.")
+        if fetch not in FETCH_MODES:
+            raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
         target_device = _single_device(device, device_map)
@@ -262,6 +270,7 @@ class LowMemAutoModelBase:
             output_loading_info=output_loading_info,
             chunk_bytes=chunk_bytes,
             tp=dict(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh),
+            fetch=fetch,
             overrides=config_overrides,
         )
 
@@ -329,9 +338,14 @@ class LowMemAutoModelBase:
         output_loading_info,
         chunk_bytes,
         tp,
+        fetch,
         overrides,
     ):
         started = time.perf_counter()
+        is_hub = not os.path.isdir(path)
+        if is_hub:
+            # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
+            hub_kwargs = {**hub_kwargs, "revision": pin_revision(path, hub_kwargs["revision"], hub_kwargs)}
         model_class, config, model_kwargs = cls._resolve_class_and_config(
             path, config, overrides, hub_kwargs=hub_kwargs, trust_remote_code=trust_remote_code, code_revision=code_revision
         )
@@ -343,18 +357,26 @@ class LowMemAutoModelBase:
             config._experts_implementation = experts_implementation
 
         # 1. resolve: which files, which tensors, where (headers only)
-        checkpoint = resolve_local(
-            path,
-            subfolder=hub_kwargs["subfolder"],
+        selection = dict(
             variant=variant,
             use_safetensors=use_safetensors,
             explicit_filename=getattr(config, "transformers_weights", None),
             weights_only=weights_only,
         )
+        if is_hub:
+            checkpoint = resolve_hub(path, commit=hub_kwargs["revision"], hub=hub_kwargs, **selection)
+        else:
+            checkpoint = resolve_local(path, subfolder=hub_kwargs["subfolder"], **selection)
         sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
-        config, main_dtype = _get_dtype(
-            requested_dtype, list(checkpoint.files), config, sharded_metadata, None, weights_only
-        )
+        if checkpoint.remote:
+            # transformers infers "auto" from the first file's tensors; the headers already say what they are
+            first = [i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0]]
+            meta_state = {i.key: torch.empty(0, dtype=i.dtype, device="meta") for i in first}
+            config, main_dtype = _get_dtype(requested_dtype, None, config, sharded_metadata, meta_state, weights_only)
+        else:
+            config, main_dtype = _get_dtype(
+                requested_dtype, list(checkpoint.files), config, sharded_metadata, None, weights_only
+            )
         config.name_or_path = path
 
         # 2. build on meta
@@ -379,10 +401,17 @@ class LowMemAutoModelBase:
             conversion_errors={},
             skipped_pp_keys=set(),
         )
+        # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
+        paths, source = checkpoint.local_paths, None
+        if checkpoint.remote and fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
+            source = HttpRanges(checkpoint.remote, token=hub_kwargs["token"], local=checkpoint.local_paths)
+        elif checkpoint.repo_id is not None:
+            paths = fetch_files(checkpoint, plan.files, hub_kwargs)
         stats = StreamStats()
         peak_anon = _proc_status_bytes("RssAnon")
         for _, tensors, staged in stream(
-            plan, checkpoint_format=checkpoint.format, device=device, chunk_bytes=chunk_bytes, weights_only=weights_only, stats=stats
+            plan, checkpoint_format=checkpoint.format, device=device, chunk_bytes=chunk_bytes,
+            weights_only=weights_only, stats=stats, paths=paths, source=source,
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info)
             peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
@@ -430,6 +459,7 @@ class LowMemAutoModelBase:
             peak_vm_hwm_bytes=_proc_status_bytes("VmHWM"),
             notes=tuple(notes),
             shards=dict(plan.shards),
+            commit=checkpoint.commit,
         )
         return model, report
 

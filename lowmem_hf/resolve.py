@@ -177,7 +177,7 @@ def _read_index(index_path: str) -> tuple[list[str], dict[str, Any]]:
 
 
 def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], int]:
-    """Parse a safetensors header and check that every tensor lies inside the file.
+    """Parse a local safetensors header and check that every tensor lies inside the file.
 
     Written by hand because neither safetensors nor huggingface_hub exposes a *local* file's byte
     offsets (safetensors hides them behind ``get_slice``; huggingface_hub parses only remote headers),
@@ -189,29 +189,39 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], int]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptCheckpointError(
-                f"{path} is {size} bytes, too short for a safetensors file (an 8-byte header length comes first). "
-                "The file is truncated: download or copy it again."
-            )
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CorruptCheckpointError(
-                f"{path}: the header claims {header_len} bytes but the file has {size - 8} after the length prefix. "
-                "The file is truncated or not a safetensors file: download or copy it again."
-            )
+        header_len = _header_length(prefix, size, path)
         raw = f.read(header_len)
+    return parse_safetensors_header(raw, header_len=header_len, file_size=size, name=path), 8 + header_len
+
+
+def _header_length(prefix: bytes, size: int, name: str) -> int:
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(
+            f"{name} is {size} bytes, too short for a safetensors file (an 8-byte header length comes first). "
+            "The file is truncated: download or copy it again."
+        )
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+        raise CorruptCheckpointError(
+            f"{name}: the header claims {header_len} bytes but the file has {size - 8} after the length prefix. "
+            "The file is truncated or not a safetensors file: download or copy it again."
+        )
+    return header_len
+
+
+def parse_safetensors_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> dict[str, TensorInfo]:
+    """Tensor infos from a safetensors header's JSON bytes; ``name`` goes into ``TensorInfo.file`` and errors."""
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptCheckpointError(
-            f"{path}: the safetensors header is not valid JSON ({e}). The file is corrupt: download or copy it again."
+            f"{name}: the safetensors header is not valid JSON ({e}). The file is corrupt: download or copy it again."
         ) from e
 
     data_start = 8 + header_len
-    data_size = size - data_start
+    data_size = file_size - data_start
     infos: dict[str, TensorInfo] = {}
     for key, entry in header.items():
         if key == "__metadata__":
@@ -222,22 +232,22 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], int]:
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(
-                f"{path}: tensor {key!r} has an unreadable header entry {entry!r} "
+                f"{name}: tensor {key!r} has an unreadable header entry {entry!r} "
                 f"(expected dtype among {sorted(SAFETENSORS_DTYPES)}, shape and data_offsets)."
             ) from e
-        info = TensorInfo(key=key, file=path, dtype=dtype, shape=shape, offset=data_start + begin)
+        info = TensorInfo(key=key, file=name, dtype=dtype, shape=shape, offset=data_start + begin)
         if end - begin != info.nbytes or begin < 0:
             raise CorruptCheckpointError(
-                f"{path}: tensor {key!r} ({entry['dtype']} {list(shape)}) needs {info.nbytes} bytes "
+                f"{name}: tensor {key!r} ({entry['dtype']} {list(shape)}) needs {info.nbytes} bytes "
                 f"but its data_offsets [{begin}, {end}) span {end - begin}. The file is corrupt."
             )
         if end > data_size:
             raise CorruptCheckpointError(
-                f"{path}: tensor {key!r} ends at byte {data_start + end} but the file has {size} bytes. "
+                f"{name}: tensor {key!r} ends at byte {data_start + end} but the file has {file_size} bytes. "
                 "The file is truncated: download or copy it again."
             )
         infos[key] = info
-    return infos, data_start
+    return infos
 
 
 def read_torch_header(path: str, *, weights_only: bool) -> tuple[dict[str, TensorInfo], int, str]:

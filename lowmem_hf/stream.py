@@ -24,7 +24,7 @@ import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -106,12 +106,40 @@ class _Staging:
         return buf[:nbytes]
 
 
-class SafetensorsReader:
-    """Reads safetensors tensors with ``preadv``; one file descriptor per file, closed after its last tensor."""
+class LocalFiles:
+    """Byte source over local files: ``preadv``, one descriptor per file, closed after the file's last tensor."""
 
-    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats):
-        self._remaining = dict(plan_counts)
+    def __init__(self, paths: Mapping[str, str] | None = None):
+        self._paths = paths or {}
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, file: str, view: memoryview, offset: int) -> None:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    fd = self._fds[file] = os.open(self._paths.get(file, file), os.O_RDONLY)
+        _pread_exact(fd, view, offset, file)
+
+    def release(self, file: str) -> None:
+        fd = self._fds.pop(file, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class SafetensorsReader:
+    """Reads safetensors tensors (or slices of them) from a byte source: local files or HTTP ranges."""
+
+    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats, source=None):
+        self._remaining = dict(plan_counts)
+        self._source = source if source is not None else LocalFiles()
         self._staging = _Staging(stats)
         self._chunk_bytes = chunk_bytes
         self._stats = stats
@@ -122,18 +150,15 @@ class SafetensorsReader:
         Only the slice's bytes are read: a dim-0 slice is one byte range, a slice of another dim one range
         per leading index. Safe to run on several threads at once.
         """
-        fd = self._fds.get(info.file)
-        if fd is None:
-            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
-            self._stats.opened(info.file)
-        itemsize = info.dtype.itemsize
+        self._stats.opened(info.file)
+        source, itemsize = self._source, info.dtype.itemsize
         chunks = chunk_runs(element_runs(info.shape, shard), itemsize, self._chunk_bytes)
         if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
             view = _byte_view(dst)
 
             def direct(chunk: list[tuple[int, int, int]]) -> None:
                 for src, at, n in chunk:
-                    _pread_exact(fd, view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize, info.file)
+                    source.read(info.file, view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize)
 
             return [functools.partial(direct, c) for c in chunks]
 
@@ -145,7 +170,7 @@ class SafetensorsReader:
             buf = self._staging.get(total * itemsize, pinned=pinned)
             bytes_view, pos = _byte_view(buf), 0
             for src, _, n in chunk:
-                _pread_exact(fd, bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize, info.file)
+                source.read(info.file, bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize)
                 pos += n * itemsize
             first = chunk[0][1]  # the runs of a chunk are consecutive in the destination
             flat[first : first + total].copy_(buf.view(info.dtype))
@@ -153,16 +178,14 @@ class SafetensorsReader:
         return [functools.partial(staged, c) for c in chunks]
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
-        """Account one finished tensor (``nbytes`` read); close its file after the last one."""
+        """Account one finished tensor (``nbytes`` read); release its file after the last one."""
         self._stats.bytes_read += nbytes
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
-            os.close(self._fds.pop(info.file))
+            self._source.release(info.file)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._source.close()
 
 
 def _release_pages(t: torch.Tensor) -> None:
@@ -194,7 +217,8 @@ def _libc():
 class TorchReader:
     """Reads ``torch.save`` shards: one shard loaded at a time (mmapped for zip archives, whole for legacy pickles)."""
 
-    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats):
+    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, paths=None):
+        self._paths = paths or {}
         self._remaining = dict(plan_counts)
         self._chunk_bytes = chunk_bytes
         self._weights_only = weights_only
@@ -203,13 +227,14 @@ class TorchReader:
         self._state: dict[str, torch.Tensor] | None = None
         self._mmapped = False
 
-    def _load(self, path: str) -> dict[str, torch.Tensor]:
-        if self._file != path:
+    def _load(self, file: str) -> dict[str, torch.Tensor]:
+        if self._file != file:
             self.close()
+            path = self._paths.get(file, file)
             self._mmapped = zipfile.is_zipfile(path)
             self._state = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=self._mmapped)
-            self._file = path
-            self._stats.opened(path)
+            self._file = file
+            self._stats.opened(file)
             if not self._mmapped:
                 size = os.path.getsize(path)
                 self._stats.staged(size)
@@ -250,10 +275,10 @@ class TorchReader:
         self._file = None
 
 
-def _reader(fmt: str, counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats):
+def _reader(fmt: str, counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, paths, source):
     if fmt == CheckpointFormat.SAFETENSORS:
-        return SafetensorsReader(counts, chunk_bytes, stats)
-    return TorchReader(counts, chunk_bytes, weights_only, stats)
+        return SafetensorsReader(counts, chunk_bytes, stats, source if source is not None else LocalFiles(paths))
+    return TorchReader(counts, chunk_bytes, weights_only, stats, paths)
 
 
 def stream(
@@ -265,10 +290,13 @@ def stream(
     weights_only: bool = True,
     workers: int = DEFAULT_WORKERS,
     stats: StreamStats,
+    paths: Mapping[str, str] | None = None,
+    source=None,
 ) -> Iterator[tuple[SubmodulePlan, dict[str, torch.Tensor], list[tuple[ConversionRead, list[torch.Tensor]]]]]:
     """Yield, per submodule in plan order, its loaded tensors (final dtype/device) and its staged converter inputs.
 
-    The caller assigns each submodule before asking for the next; nothing is kept here between submodules
+    ``paths`` maps a ``TensorInfo.file`` to where it is on disk (Hub loads: the HF cache); ``source``
+    replaces local reads of safetensors bytes (``fetch.HttpRanges``). The caller assigns each submodule before asking for the next; nothing is kept here between submodules
     except the staging buffer and open file handles (closed after each file's last read, and on exit).
     """
     counts: dict[str, int] = {}
@@ -278,7 +306,7 @@ def stream(
         for c in sub.conversions:
             for _, info in c.sources:
                 counts[info.file] = counts.get(info.file, 0) + 1
-    reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats)
+    reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats, paths, source)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
 
     def fill(pairs: list[tuple[TensorInfo, torch.Tensor, ShardSpec | None]]) -> None:

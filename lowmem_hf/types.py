@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "CheckpointFormat",
     "TensorInfo",
+    "RemoteFile",
     "Checkpoint",
     "ShardSpec",
     "TensorRead",
@@ -58,6 +59,18 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class RemoteFile:
+    """A weight file of a Hub repo, pinned to one commit."""
+
+    filename: str
+    """Path inside the repo (subfolder included)."""
+    url: str
+    """Its ``resolve`` URL at the pinned commit."""
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A resolved checkpoint: where the config and every tensor are, read from headers only."""
 
@@ -75,6 +88,14 @@ class Checkpoint:
     """The ``metadata`` block of a sharded index, ``None`` for a single file."""
     header_bytes: int
     """Bytes read to learn the above (headers and index; pickles for ``.bin``)."""
+    repo_id: str | None = None
+    """The Hub repo, or ``None`` for a local folder."""
+    commit: str | None = None
+    """The commit every file of a Hub load comes from."""
+    remote: Mapping[str, RemoteFile] = field(default_factory=dict)
+    """Hub loads: ``TensorInfo.file`` (a repo path) -> the remote file. Empty for local folders."""
+    local_paths: Mapping[str, str] = field(default_factory=dict)
+    """Hub loads: repo path -> file already in the HF cache (read locally, never fetched again)."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +243,8 @@ class LoadReport:
     """Anything the caller should know (e.g. a legacy pickle that had to be read whole)."""
     shards: Mapping[str, ShardSpec] = field(default_factory=dict)
     """Tensor parallelism: the slice of each sharded parameter this rank holds (empty without TP)."""
+    commit: str | None = None
+    """Hub loads: the commit every file came from."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

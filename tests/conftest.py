@@ -1,23 +1,27 @@
 import os
+import shutil
 import sys
+import tempfile
 
-import pytest
+# huggingface_hub reads these once, when it is first imported (during collection, by the test modules), so
+# they must be in the environment before that: a conftest imports first. Tests that talk to the loopback Hub
+# switch the endpoint and offline mode per test with hub_server.use_hub.
+_HF_HOME = tempfile.mkdtemp(prefix="lowmem-hf-home-")
+os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+assert "huggingface_hub" not in sys.modules, "conftest must set HF_HOME before huggingface_hub is imported"
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from conftest_hub import hf_hub, hub_server  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session", autouse=True)
-def hermetic_hf_home(tmp_path_factory):
-    """Keep huggingface_hub / transformers from touching the user's cache or the network."""
-    home = tmp_path_factory.mktemp("hf_home")
-    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")}
-    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
-    yield home
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def hermetic_hf_home():
+    """The temporary HF_HOME of this session (set above, at import); removed at the end."""
+    yield _HF_HOME
+    shutil.rmtree(_HF_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,181 @@
+"""Hub repos through huggingface_hub against the loopback fake Hub: one pinned commit, only the planned bytes."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from huggingface_hub import constants
+from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+import lowmem_hf
+from hub_server import HubServer, use_hub
+from lowmem_hf import CheckpointNotFoundError
+from lowmem_hf.fetch import RemoteFileChangedError
+
+Causal = lowmem_hf.LowMemAutoModelForCausalLM
+
+
+def weight_files(folder):
+    return [f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin"))]
+
+
+def cached_weight_files(hf_home):
+    found = []
+    for root, _, files in os.walk(os.path.join(hf_home, "hub")):
+        found += [f for f in files if f.endswith((".safetensors", ".bin")) or ".incomplete" in f]
+    return found
+
+
+def assert_same(got, expected):
+    a, b = got.state_dict(), expected.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("fetch", ["files", "ranges"])
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+def test_hub_load_equals_local_load(hf_hub, make_checkpoint, tmp_path, fmt, fetch):
+    local = make_checkpoint("llama", fmt)
+    sha = hf_hub.add_repo("org/llama", local)
+    expected = Causal.from_pretrained(local, torch_dtype=torch.bfloat16)
+    got, report = Causal.from_pretrained("org/llama", torch_dtype=torch.bfloat16, fetch=fetch, output_loading_info=True)
+    assert_same(got, expected)
+    assert report.commit == sha
+    # every weight request asked for the pinned sha, never for a branch name
+    weight_requests = [r for r in hf_hub.requests if r.filename and r.filename.endswith((".safetensors", ".bin"))]
+    assert weight_requests and {r.revision for r in weight_requests} == {sha}
+    cached = cached_weight_files(tmp_path / "hf_home")
+    if fetch == "ranges" and fmt == "sharded":
+        assert cached == []  # nothing written to disk: ranges went straight into the tensors
+        tensor_bytes = sum(hf_hub.bytes_for("org/llama", f) for f in weight_files(local))
+        assert tensor_bytes == report.bytes_read - os.path.getsize(os.path.join(local, "model.safetensors.index.json"))
+    else:
+        assert sorted(cached) == sorted(weight_files(local))
+
+
+def test_revision_is_resolved_once_to_a_commit(hf_hub, make_checkpoint):
+    main = hf_hub.add_repo("org/m", make_checkpoint("llama", "sharded"))
+    dev = hf_hub.add_revision("org/m", "dev", make_checkpoint("qwen2_tied", "sharded"))
+    got, report = Causal.from_pretrained("org/m", revision="dev", fetch="ranges", output_loading_info=True)
+    assert report.commit == dev != main and type(got).__name__ == "Qwen2ForCausalLM"
+    by_branch = [r for r in hf_hub.requests if r.revision == "dev"]
+    assert len(by_branch) <= 2 and all(r.filename in (None, "config.json") for r in by_branch), by_branch
+
+
+@pytest.mark.parametrize("fetch", ["files", "ranges"])
+def test_cut_connection_still_loads_identical_weights(hf_hub, make_checkpoint, fetch):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    # the first 6 matching GETs are the planning reads of 3 headers (length, then JSON), shorter than the cut
+    hf_hub.cut_next(1000, count=6 + 2, path="*.safetensors")
+    got, report = Causal.from_pretrained("org/llama", fetch=fetch, output_loading_info=True)
+    assert_same(got, Causal.from_pretrained(local))
+    assert sum(r.cut for r in hf_hub.requests) == 2
+
+
+def test_remote_file_that_changed_size_is_an_error_naming_it(hf_hub, make_checkpoint, tmp_path):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    name = "model-00002-of-00003.safetensors"
+    grown = open(os.path.join(local, name), "rb").read() + b"\0" * 100
+    hf_hub.replace_file("org/llama", name, grown, when="head")  # after it was planned
+    with pytest.raises(RemoteFileChangedError) as e:
+        Causal.from_pretrained("org/llama", fetch="ranges")
+    size = os.path.getsize(os.path.join(local, name))
+    assert name in str(e.value) and str(size) in str(e.value) and str(size + 100) in str(e.value)
+
+
+def test_changed_file_leaves_no_corrupt_blob_in_the_cache(hf_hub, make_checkpoint, tmp_path):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    name = "model-00002-of-00003.safetensors"
+    grown = open(os.path.join(local, name), "rb").read() + b"\0" * 100
+    hf_hub.replace_file("org/llama", name, grown, when="head")  # changed after it was planned
+    with pytest.raises(RemoteFileChangedError) as e:
+        Causal.from_pretrained("org/llama", fetch="files")
+    size = os.path.getsize(os.path.join(local, name))
+    assert name in str(e.value) and f"planned for {size} bytes" in str(e.value) and str(size + 100) in str(e.value)
+    blobs = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "hf_home" / "hub") for f in fs if "blobs" in r]
+    assert all(os.path.getsize(b) != size + 100 for b in blobs)
+    assert name not in cached_weight_files(tmp_path / "hf_home")
+
+
+def test_offline_after_one_online_load_makes_no_request(hf_hub, make_checkpoint, monkeypatch):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    Causal.from_pretrained("org/llama", fetch="files")
+    hf_hub.reset_counters()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    got = Causal.from_pretrained("org/llama")
+    assert_same(got, Causal.from_pretrained(local))
+    assert hf_hub.requests == []
+    # a repo never fetched: huggingface_hub's own offline error, not a traceback from deep inside
+    hf_hub.add_repo("org/other", local)
+    with pytest.raises((LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        Causal.from_pretrained("org/other")
+    assert hf_hub.requests == []
+
+
+@pytest.mark.parametrize(
+    "repo,kwargs,words",
+    [
+        ("org/nope", {}, ["'org/nope'", "does not exist"]),
+        ("org/llama", {"revision": "v9"}, ["'org/llama'", "'v9'"]),
+        ("org/llama", {"variant": "fp8"}, ["'org/llama'", "model.fp8.safetensors"]),
+    ],
+)
+def test_missing_repo_revision_or_file_is_named(hf_hub, make_checkpoint, repo, kwargs, words):
+    hf_hub.add_repo("org/llama", make_checkpoint("llama", "sharded"))
+    with pytest.raises(CheckpointNotFoundError) as e:
+        Causal.from_pretrained(repo, **kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, url, homes, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        with use_hub(url, homes[rank]):  # a separate cache per rank: two "nodes"
+            model, report = Causal.from_pretrained("org/tp", tp_plan="auto", fetch="ranges", output_loading_info=True)
+            local = sum(
+                (p.data.to_local() if hasattr(p.data, "to_local") else p.data).numel() * 4
+                for n, p in model.named_parameters() if n in report.dtype_decisions
+            )
+            torch.save({"bytes_read": report.bytes_read, "header_bytes": report.header_bytes, "local": local,
+                        "cached": cached_weight_files(homes[rank])}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tp", max_shard_size="1MB")
+    hf_hub.add_repo("org/tp", tmp_path / "tp")
+    hf_hub.reset_counters()
+    homes = [str(tmp_path / f"node{r}") for r in range(2)]
+    mp.spawn(_tp_worker, args=(2, _free_port(), hf_hub.url, homes, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    checkpoint = sum(os.path.getsize(tmp_path / "tp" / f) for f in weight_files(tmp_path / "tp"))
+    transferred = sum(hf_hub.bytes_for("org/tp", f) for f in weight_files(tmp_path / "tp"))
+    assert transferred <= 1.1 * checkpoint, (transferred, checkpoint)
+    for r in ranks:
+        assert r["bytes_read"] - r["header_bytes"] == r["local"]  # its slices + replicated tensors, nothing else
+        assert r["cached"] == []
+    index = os.path.getsize(tmp_path / "tp" / "model.safetensors.index.json")
+    assert transferred == sum(r["bytes_read"] - index for r in ranks)
