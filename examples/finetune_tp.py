@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments

@@ -76,6 +76,10 @@ def _check_size(remote: RemoteFile | None, path: str) -> None:
 class HttpRanges:
     """Byte source over HTTP Range requests (see module doc). Thread-safe: huggingface_hub's client is."""
 
+    # Requests wait on the network, not the CPU: more of them in flight hides per-request latency (a dim-1
+    # slice is one request per row). In-flight memory stays workers x chunk_bytes.
+    workers = 8
+
     def __init__(self, remote: Mapping[str, RemoteFile], *, token=None, local: Mapping[str, str] | None = None):
         self._remote = remote
         self._headers = build_hf_headers(token=token)

@@ -7,6 +7,7 @@ offline mode, the cache layout, locks and endpoints behave as everywhere else in
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -243,8 +244,6 @@ def resolve_hub(
 
 def _read_index_names(index_path: str) -> tuple[list[str], dict[str, Any]]:
     """The shard names an index lists (they need not be downloaded yet, unlike ``resolve._read_index``)."""
-    import json
-
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)

@@ -307,6 +307,7 @@ def stream(
             for _, info in c.sources:
                 counts[info.file] = counts.get(info.file, 0) + 1
     reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats, paths, source)
+    workers = getattr(source, "workers", workers)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
 
     def fill(pairs: list[tuple[TensorInfo, torch.Tensor, ShardSpec | None]]) -> None:

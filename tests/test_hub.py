@@ -11,7 +11,7 @@ from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
 import lowmem_hf
-from hub_server import HubServer, use_hub
+from hub_server import use_hub
 from lowmem_hf import CheckpointNotFoundError
 from lowmem_hf.fetch import RemoteFileChangedError
 

@@ -40,7 +40,6 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-from conftest_hub import hf_hub, hub_server  # noqa: F401  (fixtures)
 from hub_server import HubServer, git_blob_sha1
 
 REPO = "org/name"
