@@ -179,3 +179,31 @@ def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
         assert r["cached"] == []
     index = os.path.getsize(tmp_path / "tp" / "model.safetensors.index.json")
     assert transferred == sum(r["bytes_read"] - index for r in ranks)
+
+
+def test_files_mode_downloads_only_the_files_the_plan_touches(hf_hub, make_checkpoint, tmp_path):
+    # lm_head alone in its own shard: the base model (AutoModel) needs nothing from it
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    src = make_checkpoint("llama", "safetensors")
+    repo = tmp_path / "split"
+    repo.mkdir()
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            (repo / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    head = {"lm_head.weight": tensors.pop("lm_head.weight")}
+    save_file(tensors, repo / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(head, repo / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors} | {"lm_head.weight": "model-00002-of-00002.safetensors"}
+    (repo / "model.safetensors.index.json").write_text(_json.dumps({"metadata": {}, "weight_map": weight_map}))
+    hf_hub.add_repo("org/split", repo)
+
+    got, report = lowmem_hf.LowMemAutoModel.from_pretrained("org/split", fetch="files", output_loading_info=True)
+    assert report["unexpected_keys"] == {"lm_head.weight"}
+    assert cached_weight_files(tmp_path / "hf_home") == ["model-00001-of-00002.safetensors"]
+    head_bytes = os.path.getsize(repo / "model-00002-of-00002.safetensors")
+    assert hf_hub.bytes_for("org/split", "model-00002-of-00002.safetensors") < head_bytes // 10  # its header only
+    assert_same(got, lowmem_hf.LowMemAutoModel.from_pretrained(repo))
