@@ -7,10 +7,9 @@ offline mode, the cache layout, locks and endpoints behave as everywhere else in
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
@@ -25,16 +24,13 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .resolve import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    _add_variant,
     _header_length,
-    _read_index,
+    add_tensors,
+    parse_index,
     parse_safetensors_header,
     read_safetensors_header,
     read_torch_header,
+    weight_candidates,
 )
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
@@ -162,14 +158,7 @@ def resolve_hub(
         CheckpointNotFoundError: no weights of an accepted kind at that commit (names repo, revision, files).
     """
     offline = _offline(hub)
-    if explicit_filename is not None:
-        candidates = [explicit_filename]
-    else:
-        candidates = []
-        if use_safetensors is not False:
-            candidates += [_add_variant(SAFE_WEIGHTS_NAME, variant), _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)]
-        if not use_safetensors:
-            candidates += [_add_variant(WEIGHTS_NAME, variant), _add_variant(WEIGHTS_INDEX_NAME, variant)]
+    candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
 
     found, remote_found = None, None
     for candidate in candidates:
@@ -193,8 +182,8 @@ def resolve_hub(
     if found.endswith(".index.json"):
         index_path = _download(repo_id, found, commit, hub)
         header_bytes += os.path.getsize(index_path)
-        local_files, index_metadata = _read_index_names(index_path)
-        names = [os.path.basename(f) for f in local_files]
+        by_file, index_metadata = parse_index(index_path)
+        names = sorted(by_file)
     else:
         names = [found]
 
@@ -225,8 +214,7 @@ def resolve_hub(
         if cached is not None:
             local_paths[repo_path] = cached
         header_bytes += nbytes
-        for key, info in infos.items():
-            tensors[key] = type(info)(key=info.key, file=repo_path, dtype=info.dtype, shape=info.shape, offset=info.offset)
+        add_tensors(tensors, (replace(info, file=repo_path) for info in infos.values()))
     return Checkpoint(
         name_or_path=repo_id,
         directory=str(Path(local_paths[next(iter(local_paths))]).parent) if local_paths else "",
@@ -240,14 +228,3 @@ def resolve_hub(
         remote=remote,
         local_paths=local_paths,
     )
-
-
-def _read_index_names(index_path: str) -> tuple[list[str], dict[str, Any]]:
-    """The shard names an index lists (they need not be downloaded yet, unlike ``resolve._read_index``)."""
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-        weight_map = index["weight_map"]
-    except (ValueError, KeyError, TypeError):
-        return _read_index(index_path)  # raises the corrupt-index error with its message
-    return sorted(set(weight_map.values())), index.get("metadata") or {}

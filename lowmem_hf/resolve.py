@@ -56,6 +56,18 @@ def _add_variant(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{ext}"
 
 
+def weight_candidates(*, variant: str | None, use_safetensors: bool | None, explicit_filename: str | None) -> list[str]:
+    """Weight file names to look for, in transformers' order of preference."""
+    if explicit_filename is not None:
+        return [explicit_filename]
+    candidates = []
+    if use_safetensors is not False:
+        candidates += [_add_variant(SAFE_WEIGHTS_NAME, variant), _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)]
+    if not use_safetensors:
+        candidates += [_add_variant(WEIGHTS_NAME, variant), _add_variant(WEIGHTS_INDEX_NAME, variant)]
+    return candidates
+
+
 def resolve_local(
     name_or_path: str,
     *,
@@ -91,14 +103,7 @@ def resolve_local(
             "pytorch_model.bin.index.json); check the path and `subfolder`."
         )
 
-    if explicit_filename is not None:
-        candidates = [explicit_filename]
-    else:
-        candidates = []
-        if use_safetensors is not False:
-            candidates += [_add_variant(SAFE_WEIGHTS_NAME, variant), _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)]
-        if not use_safetensors:
-            candidates += [_add_variant(WEIGHTS_NAME, variant), _add_variant(WEIGHTS_INDEX_NAME, variant)]
+    candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
     found = next((c for c in candidates if os.path.isfile(os.path.join(directory, c))), None)
     if found is None:
         raise CheckpointNotFoundError(
@@ -130,13 +135,7 @@ def resolve_local(
             # One checkpoint may mix zip and legacy shards in theory; the stricter (legacy) one describes it.
             fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
         header_bytes += nbytes
-        for key, info in infos.items():
-            if key in tensors:
-                raise CorruptCheckpointError(
-                    f"Tensor {key!r} is stored twice: in {tensors[key].file} and in {file}. "
-                    "A checkpoint must store each key once; re-save it with save_pretrained."
-                )
-            tensors[key] = info
+        add_tensors(tensors, infos.values())
     return Checkpoint(
         name_or_path=str(name_or_path),
         directory=directory,
@@ -148,20 +147,37 @@ def resolve_local(
     )
 
 
-def _read_index(index_path: str) -> tuple[list[str], dict[str, Any]]:
+def add_tensors(tensors: dict[str, TensorInfo], infos) -> None:
+    """Merge one file's tensor infos into ``tensors``; a key stored in two files is an error."""
+    for info in infos:
+        if info.key in tensors:
+            raise CorruptCheckpointError(
+                f"Tensor {info.key!r} is stored twice: in {tensors[info.key].file} and in {info.file}. "
+                "A checkpoint must store each key once; re-save it with save_pretrained."
+            )
+        tensors[info.key] = info
+
+
+def parse_index(index_path: str) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """``({shard file: [keys]}, metadata)`` of a sharded checkpoint's index JSON."""
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
         weight_map: dict[str, str] = index["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        by_file: dict[str, list[str]] = {}
+        for key, shard in weight_map.items():
+            by_file.setdefault(shard, []).append(key)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"{index_path} is not a valid index: expected JSON with a 'weight_map' object ({e}). "
             "Re-save the checkpoint with save_pretrained."
         ) from e
+    return by_file, index.get("metadata") or {}
+
+
+def _read_index(index_path: str) -> tuple[list[str], dict[str, Any]]:
+    by_file, metadata = parse_index(index_path)
     directory = os.path.dirname(index_path)
-    by_file: dict[str, list[str]] = {}
-    for key, shard in weight_map.items():
-        by_file.setdefault(shard, []).append(key)
     missing = [shard for shard in by_file if not os.path.isfile(os.path.join(directory, shard))]
     if missing:
         shard = missing[0]
@@ -173,7 +189,7 @@ def _read_index(index_path: str) -> tuple[list[str], dict[str, Any]]:
             f"It should hold {len(keys)} tensors: {shown}. Copy the missing file, or re-save the checkpoint."
         )
     # Shard names sort in file order (model-00001-of-0000N...), so reads go front to back.
-    return [os.path.join(directory, shard) for shard in sorted(by_file)], index.get("metadata") or {}
+    return [os.path.join(directory, shard) for shard in sorted(by_file)], metadata
 
 
 def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], int]:
