@@ -14,7 +14,9 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PreTrainedConfig
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
@@ -22,6 +24,7 @@ from transformers.modeling_utils import _get_dtype
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
+from .errors import CheckpointNotFoundError
 from .plan import DtypePolicy, build_on_meta, make_plan, map_checkpoint_keys, parse_dtype
 from .plan.planner import decisions_of
 from .fetch import FETCH_MODES, HttpRanges, fetch_files
@@ -108,6 +111,19 @@ def _reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) 
         f"from_pretrained arguments, attributes of {type(config).__name__} (to override the config), or "
         f"arguments of {model_class.__name__}.__init__."
     )
+
+
+def _is_hub_repo(path: str, subfolder: str) -> bool:
+    """A local folder is loaded from disk; anything else must be a valid Hub repo id (else: not found)."""
+    if os.path.isdir(os.path.join(path, subfolder)) or os.path.isdir(path):
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise CheckpointNotFoundError(
+            f"{path!r} is neither a local folder nor a Hub repo id ('org/name'). Check the path."
+        ) from None
+    return True
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -342,14 +358,16 @@ class LowMemAutoModelBase:
         overrides,
     ):
         started = time.perf_counter()
-        is_hub = not os.path.isdir(path)
+        # TP first: under torchrun this creates the process group, which the revision pinning below uses so
+        # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
+        tp_request = request_tp(PreTrainedModel, **tp)
+        is_hub = _is_hub_repo(path, hub_kwargs["subfolder"])
         if is_hub:
             # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
             hub_kwargs = {**hub_kwargs, "revision": pin_revision(path, hub_kwargs["revision"], hub_kwargs)}
         model_class, config, model_kwargs = cls._resolve_class_and_config(
             path, config, overrides, hub_kwargs=hub_kwargs, trust_remote_code=trust_remote_code, code_revision=code_revision
         )
-        tp_request = request_tp(model_class, **tp)
         _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
         if attn_implementation is not None:
             config._attn_implementation = attn_implementation
@@ -392,7 +410,14 @@ class LowMemAutoModelBase:
         mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=key_mapping)
         plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=ignore_mismatched_sizes, shards=shards)
 
-        # 4-5. stream submodule by submodule, assigning each before reading the next
+        # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
+        paths, source = checkpoint.local_paths, None
+        if checkpoint.remote and fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
+            source = HttpRanges(checkpoint.remote, token=hub_kwargs["token"], local=checkpoint.local_paths)
+        elif checkpoint.repo_id is not None:
+            paths = fetch_files(checkpoint, plan.files, hub_kwargs)
+
+        # 5. stream submodule by submodule, assigning each before reading the next
         loading_info = LoadStateDictInfo(
             missing_keys=set(model.state_dict()),
             unexpected_keys=set(plan.unexpected_keys),
@@ -401,12 +426,6 @@ class LowMemAutoModelBase:
             conversion_errors={},
             skipped_pp_keys=set(),
         )
-        # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
-        paths, source = checkpoint.local_paths, None
-        if checkpoint.remote and fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
-            source = HttpRanges(checkpoint.remote, token=hub_kwargs["token"], local=checkpoint.local_paths)
-        elif checkpoint.repo_id is not None:
-            paths = fetch_files(checkpoint, plan.files, hub_kwargs)
         stats = StreamStats()
         peak_anon = _proc_status_bytes("RssAnon")
         for _, tensors, staged in stream(

@@ -199,3 +199,8 @@ def test_pickle_with_code_needs_weights_only_false(tmp_path, make_checkpoint):
 
 class _Unsafe:
     """An arbitrary object in a pickle: weights_only=True must refuse it."""
+
+
+def test_a_path_that_is_neither_a_folder_nor_a_repo_id(tmp_path):
+    with pytest.raises(lowmem_hf.CheckpointNotFoundError, match="neither a local folder nor a Hub repo id"):
+        Causal.from_pretrained(str(tmp_path / "no" / "such" / "folder"))
