@@ -141,10 +141,6 @@ class TensorRead:
     def local_shape(self) -> tuple[int, ...]:
         return self.shard.local_shape(self.source.shape) if self.shard else self.source.shape
 
-    @property
-    def local_nbytes(self) -> int:
-        return math.prod(self.local_shape) * self.source.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class ConversionRead:
@@ -170,13 +166,6 @@ class SubmodulePlan:
     name: str
     reads: tuple[TensorRead, ...]
     conversions: tuple[ConversionRead, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this submodule occupies once loaded."""
-        direct = sum(math.prod(r.local_shape) * r.decision.dtype.itemsize for r in self.reads)
-        converted = sum(s.numel * c.decision.dtype.itemsize for c in self.conversions for _, s in c.sources)
-        return direct + converted
 
 
 @dataclass(frozen=True)
