@@ -386,15 +386,14 @@ class LowMemAutoModelBase:
         else:
             checkpoint = resolve_local(path, subfolder=hub_kwargs["subfolder"], **selection)
         sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
-        if checkpoint.remote:
-            # transformers infers "auto" from the first file's tensors; the headers already say what they are
+        local_files = [checkpoint.local_paths.get(f, f) for f in checkpoint.files]
+        if all(os.path.isfile(f) for f in local_files):
+            config, main_dtype = _get_dtype(requested_dtype, local_files, config, sharded_metadata, None, weights_only)
+        else:
+            # transformers infers "auto" from the first file's tensors; the remote headers already say what they are
             first = [i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0]]
             meta_state = {i.key: torch.empty(0, dtype=i.dtype, device="meta") for i in first}
             config, main_dtype = _get_dtype(requested_dtype, None, config, sharded_metadata, meta_state, weights_only)
-        else:
-            config, main_dtype = _get_dtype(
-                requested_dtype, list(checkpoint.files), config, sharded_metadata, None, weights_only
-            )
         config.name_or_path = path
 
         # 2. build on meta

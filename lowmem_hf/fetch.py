@@ -89,8 +89,6 @@ class HttpRanges:
             from .stream import LocalFiles
 
             self._local = LocalFiles(local)  # already in the HF cache: read there, fetch nothing
-        self.requests = 0
-        self.resumes = 0
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
         if file not in self._remote:
@@ -104,7 +102,6 @@ class HttpRanges:
                 return
             headers = dict(self._headers, Range=f"bytes={offset + received}-{end - 1}")
             try:
-                self.requests += 1
                 with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True) as response:
                     hf_raise_for_status(response)
                     self._check(remote, response, offset + received, end)
@@ -115,7 +112,6 @@ class HttpRanges:
             except (_httpx.TransportError, _httpx.StreamError):
                 pass  # resume below from the last byte received
             if received < len(view):
-                self.resumes += 1
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         if received < len(view):
             raise CorruptCheckpointError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch.distributed as dist
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
@@ -217,7 +216,6 @@ def resolve_hub(
         add_tensors(tensors, (replace(info, file=repo_path) for info in infos.values()))
     return Checkpoint(
         name_or_path=repo_id,
-        directory=str(Path(local_paths[next(iter(local_paths))]).parent) if local_paths else "",
         format=fmt,
         files=tuple(_repo_path(n, hub) for n in names),
         tensors=tensors,

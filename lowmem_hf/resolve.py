@@ -138,7 +138,6 @@ def resolve_local(
         add_tensors(tensors, infos.values())
     return Checkpoint(
         name_or_path=str(name_or_path),
-        directory=directory,
         format=fmt,
         files=tuple(files),
         tensors=tensors,

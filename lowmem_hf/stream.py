@@ -1,13 +1,14 @@
 """Stream: read each planned tensor straight into memory of its final dtype and device, submodule by submodule.
 
-Readers, one per storage format, share one contract: ``jobs(info, dst)`` returns independent chunk reads
-that together fill ``dst`` (already of the decided dtype and device) with the stored tensor, converting on
-the fly, and ``done(info)`` accounts for it; nothing of the file stays mapped or buffered afterwards. The
-chunks of one submodule run on a small thread pool.
+Readers, one per storage format, share one contract: ``jobs(info, dst, shard)`` returns independent chunk
+reads that together fill ``dst`` (already of the decided dtype and device) with the stored tensor or this
+rank's slice of it, converting on the fly, and ``done(info, nbytes)`` accounts for it; nothing of the file
+stays mapped or buffered afterwards. The chunks of one submodule run on a small thread pool.
 
-- safetensors: ``preadv`` of the tensor's byte range. Same dtype on CPU: straight into the destination's
-  memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` (pinned when
-  the destination is a CUDA device), converted by ``copy_`` chunk by chunk.
+- safetensors: ``preadv`` of the slice's byte ranges (or HTTP ranges, see ``fetch.HttpRanges``). Same dtype
+  on CPU: straight into the destination's memory, no staging at all. Otherwise: through one reused staging
+  buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device), converted by
+  ``copy_`` chunk by chunk.
 - torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` one shard at a time,
   copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so
   the resident file-backed memory stays one chunk, not one shard.

@@ -89,6 +89,8 @@ def request_tp(model_class: type, *, tp_plan: Any, tp_size: int | None, tp_rank:
             f"tp_size={tp_size} on a world of {world} ranks: transformers' TP mesh spans every rank, so "
             "tensor parallelism over a subset of ranks is not supported. Pass tp_size=world size."
         )
+    if tp_size == 1:
+        return None  # one rank holds everything: transformers builds no mesh for it either
     config = DistributedConfig(tp_size=tp_size, tp_plan=dict(plan) if isinstance(plan, Mapping) else plan)
     # transformers' own mesh set-up: under torchrun it initializes the process group like from_pretrained does.
     config, _, mesh_manager = model_class.prepare_distribute_model(config)

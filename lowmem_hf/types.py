@@ -76,8 +76,6 @@ class Checkpoint:
 
     name_or_path: str
     """What the caller passed."""
-    directory: str
-    """The local folder holding config and weights (subfolder applied)."""
     format: str
     """One of the ``CheckpointFormat`` values; one format per checkpoint."""
     files: tuple[str, ...]

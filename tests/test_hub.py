@@ -207,3 +207,26 @@ def test_files_mode_downloads_only_the_files_the_plan_touches(hf_hub, make_check
     head_bytes = os.path.getsize(repo / "model-00002-of-00002.safetensors")
     assert hf_hub.bytes_for("org/split", "model-00002-of-00002.safetensors") < head_bytes // 10  # its header only
     assert_same(got, lowmem_hf.LowMemAutoModel.from_pretrained(repo))
+
+
+@pytest.mark.parametrize("fetch", ["files", "ranges"])
+def test_auto_dtype_without_config_dtype_comes_from_the_weights(hf_hub, make_checkpoint, tmp_path, fetch):
+    import json as _json
+
+    src = make_checkpoint("llama", "sharded", dtype=torch.bfloat16)
+    repo = tmp_path / "nodtype"
+    repo.mkdir()
+    for name in os.listdir(src):
+        (repo / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    config = _json.loads((repo / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (repo / "config.json").write_text(_json.dumps(config))
+    hf_hub.add_repo("org/nodtype", repo)
+    got, report = Causal.from_pretrained("org/nodtype", fetch=fetch, output_loading_info=True)
+    assert report.dtype == torch.bfloat16 == got.lm_head.weight.dtype
+    assert_same(got, Causal.from_pretrained(repo))
+    if fetch == "files":  # again, now entirely from the cache: transformers reads the first cached file
+        again, report = Causal.from_pretrained("org/nodtype", output_loading_info=True)
+        assert report.dtype == torch.bfloat16
+        assert_same(again, got)

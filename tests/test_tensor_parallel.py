@@ -179,3 +179,15 @@ def test_local_mode_slices_bin_and_safetensors_alike(make_checkpoint, fmt):
             spec = report.shards.get(name)
             expected = full[name].narrow(spec.dim, spec.start, spec.stop - spec.start) if spec else full[name]
             assert torch.equal(t, expected), (name, rank)
+
+
+def test_tp_over_a_single_rank_is_a_plain_load(tp_checkpoints, monkeypatch):
+    # torchrun --nproc-per-node 1: transformers builds no mesh; the model is loaded whole, not sharded
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    path = tp_checkpoints["llama"]
+    model, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, tp_plan="auto", output_loading_info=True)
+    assert report.shards == {} and not dist.is_initialized()
+    plain = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path)
+    for name, t in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
