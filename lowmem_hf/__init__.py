@@ -14,8 +14,11 @@ from .errors import (
     LowMemError,
     MissingShardError,
     ShapeMismatchError,
+    UnsupportedArgumentError,
     UnsupportedConversionError,
 )
+from .load import PreparedLoad, execute, prepare
+from .request import LoadRequest, make_request
 from .types import DtypeDecision, LoadReport
 
 globals().update(AUTO_CLASSES)
@@ -30,6 +33,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LowMemAutoModelBase",
+    "LoadRequest",
+    "PreparedLoad",
+    "make_request",
+    "prepare",
+    "execute",
     "LoadReport",
     "DtypeDecision",
     "LowMemError",
@@ -38,6 +46,7 @@ __all__ = [
     "MissingShardError",
     "ShapeMismatchError",
     "UnsupportedConversionError",
+    "UnsupportedArgumentError",
     "IncompleteLoadError",
     *sorted(AUTO_CLASSES),
 ]

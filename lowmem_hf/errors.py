@@ -15,6 +15,7 @@ __all__ = [
     "ShapeMismatchError",
     "UnsupportedConversionError",
     "IncompleteLoadError",
+    "UnsupportedArgumentError",
 ]
 
 
@@ -44,3 +45,14 @@ class UnsupportedConversionError(LowMemError, NotImplementedError):
 
 class IncompleteLoadError(LowMemError, RuntimeError):
     """A post-condition failed: something is still on ``meta`` or has a dtype the policy did not decide."""
+
+
+class UnsupportedArgumentError(LowMemError, NotImplementedError):
+    """A transformers ``from_pretrained`` argument (or value) whose behaviour lowmem_hf does not implement.
+
+    ``argument`` names it, so the one-line switch can hand the call to transformers' own loader and say why.
+    """
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(message)
+        self.argument = argument

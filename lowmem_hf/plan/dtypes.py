@@ -28,7 +28,7 @@ from transformers.core_model_loading import build_glob_alternation
 
 from ..types import DtypeDecision
 
-__all__ = ["DTYPE_POLICIES", "DtypePolicy", "parse_dtype", "parse_overrides"]
+__all__ = ["DTYPE_POLICIES", "DtypePolicy", "check_dtype_policy", "parse_dtype", "parse_overrides"]
 
 DTYPE_POLICIES = ("declared", "loaded")
 
@@ -51,6 +51,17 @@ def parse_dtype(value: Any, *, argument: str) -> torch.dtype:
             + (", or 'auto' for the checkpoint's dtype." if argument in ("torch_dtype", "dtype") else ".")
         )
     raise TypeError(f"{argument} must be a torch.dtype or its name, got {type(value).__name__} {value!r}.")
+
+
+def check_dtype_policy(mode: Any) -> None:
+    """Raise ``ValueError`` (with the closest policy) unless ``mode`` is one of ``DTYPE_POLICIES``."""
+    if mode not in DTYPE_POLICIES:
+        close = difflib.get_close_matches(str(mode), DTYPE_POLICIES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"dtype_policy={mode!r} is not a policy.{hint} Use 'declared' (every tensor gets the declared "
+            "torch_dtype) or 'loaded' (every tensor keeps its checkpoint dtype)."
+        )
 
 
 def parse_overrides(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> tuple[tuple[str, torch.dtype], ...]:
@@ -98,13 +109,7 @@ class DtypePolicy:
 
     @classmethod
     def for_model(cls, model: Any, *, mode: str, dtype: torch.dtype, overrides=None) -> "DtypePolicy":
-        if mode not in DTYPE_POLICIES:
-            close = difflib.get_close_matches(str(mode), DTYPE_POLICIES, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"dtype_policy={mode!r} is not a policy.{hint} Use 'declared' (every tensor gets the declared "
-                "torch_dtype) or 'loaded' (every tensor keeps its checkpoint dtype)."
-            )
+        check_dtype_policy(mode)
         references = (torch.float16, torch.bfloat16, torch.float32, dtype)
         matchers = {ref: _fp32_matcher(model, ref) for ref in references}
         strict_only = {ref: ref != torch.float16 for ref in references}

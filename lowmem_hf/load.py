@@ -1,0 +1,320 @@
+"""The recipe, in two halves: ``prepare`` (resolve, build on meta, plan: no tensor byte) and ``execute``.
+
+    prepared = prepare(request)     # one pinned revision, headers only, the skeleton, this rank's plan
+    model, report = execute(prepared)   # fetch, stream submodule by submodule, assign, finalize, prove
+
+``from_pretrained`` is both; a dry run (``lowmem-hf plan``) is ``prepare`` alone. Everything model-specific
+(config classes, key renames, dtype rules, init, tying) is transformers' own.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
+from transformers.modeling_utils import _get_dtype
+from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+from transformers.utils.loading_report import LoadStateDictInfo
+
+from . import assign as _assign
+from .errors import CheckpointNotFoundError
+from .fetch import HttpRanges, fetch_files
+from .hub import pin_revision, resolve_hub
+from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
+from .plan.planner import decisions_of
+from .request import NOT_IMPLEMENTED, LoadRequest, make_request
+from .resolve import resolve_local
+from .stream import StreamStats, stream
+from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
+from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
+
+__all__ = ["PreparedLoad", "prepare", "execute", "load"]
+
+
+@dataclass(frozen=True)
+class PreparedLoad:
+    """Everything decided before any tensor byte is read. ``execute`` consumes it once (it fills ``model``)."""
+
+    request: LoadRequest
+    """The request, pinned to one commit for Hub repos."""
+    model: Any
+    """The skeleton on ``meta`` (meta DTensors under distributed TP), with its final config."""
+    checkpoint: Checkpoint
+    plan: LoadPlan
+    """This rank's reads, submodule by submodule, with dtype decisions and slices."""
+    policy: DtypePolicy
+    mapping: KeyMapping
+    tp: TPRequest | None
+    """The validated tensor-parallel request, ``None`` without TP."""
+    started: float
+    """``time.perf_counter()`` when ``prepare`` began (the report's wall time counts from here)."""
+
+
+def prepare(request: LoadRequest) -> PreparedLoad:
+    """Resolve the checkpoint, build the model on ``meta`` and plan this rank's reads; reads no tensor byte.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: the checkpoint is missing or its headers are bad.
+        TypeError: an unknown keyword among the config overrides (names the closest valid one).
+        ShapeMismatchError, ValueError, NotImplementedError: a plan that cannot be executed, before any I/O.
+    """
+    started = time.perf_counter()
+    # TP first: under torchrun this creates the process group, which the revision pinning below uses so
+    # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
+    tp_request = request_tp(PreTrainedModel, **vars(request.tp))
+    is_hub = _is_hub_repo(request.name_or_path, request.hub.subfolder)
+    if is_hub:
+        # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
+        request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
+    model_class, config, model_kwargs = _resolve_class_and_config(request)
+    _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
+    if request.attn_implementation is not None:
+        config._attn_implementation = request.attn_implementation
+    if request.experts_implementation is not None:
+        config._experts_implementation = request.experts_implementation
+
+    # 1. resolve: which files, which tensors, where (headers only)
+    checkpoint = _resolve_checkpoint(request, config, is_hub)
+    config, main_dtype = _decide_dtype(request, config, checkpoint)
+    config.name_or_path = request.name_or_path
+
+    # 2. build on meta
+    model = build_on_meta(model_class, config, main_dtype, request.model_args, model_kwargs)
+
+    # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
+    shards = {}
+    if tp_request is not None:
+        shards, _ = plan_shards(model, tp_request)
+        if tp_request.distributed:
+            model = distribute(model_class, model, tp_request, shards)
+    policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
+    mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
+    plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
+    return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started)
+
+
+def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
+    """Fetch, stream and assign submodule by submodule, finish as transformers does, prove the post-conditions.
+
+    Raises:
+        CorruptCheckpointError, RemoteFileChangedError: a file that changed or broke while it was read.
+        IncompleteLoadError: a post-condition failed; the model is never returned half-loaded.
+    """
+    request, model, checkpoint, plan = prepared.request, prepared.model, prepared.checkpoint, prepared.plan
+    hub = request.hub.as_kwargs()
+
+    # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
+    paths, source = checkpoint.local_paths, None
+    if checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
+        source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
+    elif checkpoint.repo_id is not None:
+        paths = fetch_files(checkpoint, plan.files, hub)
+
+    # 5. stream submodule by submodule, assigning each before reading the next
+    loading_info = LoadStateDictInfo(
+        missing_keys=set(model.state_dict()),
+        unexpected_keys=set(plan.unexpected_keys),
+        mismatched_keys=set(plan.mismatched_keys),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    stats = StreamStats()
+    peak_anon = _proc_status_bytes("RssAnon")
+    for _, tensors, staged in stream(
+        plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=request.chunk_bytes,
+        weights_only=request.weights_only, stats=stats, paths=paths, source=source,
+    ):
+        _assign.assign_submodule(model, tensors, staged, loading_info)
+        peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
+
+    # 6. finish as transformers does, then prove it
+    _assign.finalize(
+        model, plan, loading_info, device=request.device, name_or_path=request.name_or_path,
+        ignore_mismatched_sizes=request.ignore_mismatched_sizes, device_mesh=getattr(model, "_device_mesh", None),
+    )
+    _assign.apply_missing_overrides(model, prepared.policy, loading_info.missing_keys)
+    model.eval()
+    model.set_use_kernels(False, None)
+    if model.can_generate() and hasattr(model, "adjust_generation_fn"):
+        model.adjust_generation_fn(
+            request.generation_config, True, None, request.name_or_path, trust_remote_code=request.trust_remote_code, **hub
+        )
+    decisions = decisions_of(plan)
+    _assign.check_loaded(model, decisions, request.device)
+
+    notes = list(stats.notes) + [
+        f"{src} duplicates {dst}; transformers keeps the first, so it was not read" for src, dst in prepared.mapping.duplicates
+    ]
+    if prepared.tp is not None and not prepared.tp.distributed:
+        notes.append(
+            f"Loaded only rank {prepared.tp.tp_rank} of {prepared.tp.tp_size}'s slices as plain tensors (no process "
+            "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "
+            "wraps these shards; LoadReport.shards says how each parameter is sliced."
+        )
+    report = LoadReport(
+        missing_keys=frozenset(loading_info.missing_keys),
+        unexpected_keys=frozenset(loading_info.unexpected_keys),
+        mismatched_keys=frozenset(loading_info.mismatched_keys),
+        error_msgs=tuple(loading_info.error_msgs),
+        checkpoint_format=checkpoint.format,
+        files_read=tuple(stats.files_read),
+        bytes_read=stats.bytes_read + checkpoint.header_bytes,
+        header_bytes=checkpoint.header_bytes,
+        dtype=plan.dtype,
+        dtype_policy=request.dtype_policy,
+        dtype_decisions=decisions,
+        model_bytes=_assign.model_nbytes(model),
+        staging_bytes=stats.staging_bytes,
+        wall_seconds=time.perf_counter() - prepared.started,
+        peak_rss_anon_bytes=max(peak_anon, _proc_status_bytes("RssAnon")),
+        peak_vm_hwm_bytes=_proc_status_bytes("VmHWM"),
+        notes=tuple(notes),
+        shards=dict(plan.shards),
+        commit=checkpoint.commit,
+    )
+    return model, report
+
+
+def load(request: LoadRequest):
+    """``prepare`` + ``execute``; returns what transformers' ``from_pretrained`` returns for the request."""
+    model, report = execute(prepare(request))
+    return (model, report) if request.output_loading_info else model
+
+
+def _resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Checkpoint:
+    selection = dict(
+        variant=request.variant,
+        use_safetensors=request.use_safetensors,
+        explicit_filename=getattr(config, "transformers_weights", None),
+        weights_only=request.weights_only,
+    )
+    if is_hub:
+        return resolve_hub(request.name_or_path, commit=request.hub.revision, hub=request.hub.as_kwargs(), **selection)
+    return resolve_local(request.name_or_path, subfolder=request.hub.subfolder, **selection)
+
+
+def _decide_dtype(request: LoadRequest, config: Any, checkpoint: Checkpoint) -> tuple[Any, torch.dtype]:
+    """transformers' own ``_get_dtype``: the declared dtype (``"auto"``: config, else the first file's tensors)."""
+    sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
+    local_files = [checkpoint.local_paths.get(f, f) for f in checkpoint.files]
+    if all(os.path.isfile(f) for f in local_files):
+        return _get_dtype(request.dtype, local_files, config, sharded_metadata, None, request.weights_only)
+    # transformers infers "auto" from the first file's tensors; the remote headers already say what they are
+    first = [i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0]]
+    meta_state = {i.key: torch.empty(0, dtype=i.dtype, device="meta") for i in first}
+    return _get_dtype(request.dtype, None, config, sharded_metadata, meta_state, request.weights_only)
+
+
+def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str, Any]]:
+    """transformers' routing: load the config (applying overrides), pick the model class.
+
+    An auto class routes on the config (remote code included); a concrete class loads its own
+    ``config_class`` and is the model class, exactly as ``PreTrainedModel.from_pretrained`` does.
+    """
+    target, path, config = request.target, request.name_or_path, request.config
+    hub = request.hub.as_kwargs()
+    overrides = dict(request.config_overrides)
+    if not (isinstance(target, type) and issubclass(target, _BaseAutoModelClass)):
+        if not isinstance(config, PreTrainedConfig):
+            if target.config_class is None:
+                raise ValueError(f"{target.__name__} does not define `config_class`; pass an explicit config.")
+            config, model_kwargs = target.config_class.from_pretrained(
+                config if config is not None else path, return_unused_kwargs=True, **hub, **overrides
+            )
+        else:
+            config, model_kwargs = copy.deepcopy(config), overrides
+        return target, config, model_kwargs
+
+    if not isinstance(config, PreTrainedConfig):
+        config, model_kwargs = AutoConfig.from_pretrained(
+            config if config is not None else path,
+            return_unused_kwargs=True,
+            trust_remote_code=request.trust_remote_code,
+            code_revision=request.code_revision,
+            **hub,
+            **overrides,
+        )
+    else:
+        config, model_kwargs = copy.deepcopy(config), overrides
+
+    trust_remote_code = request.trust_remote_code
+    has_remote_code = hasattr(config, "auto_map") and target.__name__ in config.auto_map
+    has_local_code = type(config) in target._model_mapping
+    if has_remote_code:
+        class_ref = config.auto_map[target.__name__]
+        upstream = class_ref.split("--")[0] if "--" in class_ref else None
+        trust_remote_code = resolve_trust_remote_code(
+            trust_remote_code, path, has_local_code, has_remote_code, upstream_repo=upstream
+        )
+    if has_remote_code and trust_remote_code:
+        model_class = get_class_from_dynamic_module(class_ref, path, code_revision=request.code_revision, **hub)
+    elif has_local_code:
+        model_class = _get_model_class(config, target._model_mapping)
+        text_config_class = config.sub_configs.get("text_config", None)
+        if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
+            config = config.get_text_config()
+    else:
+        raise ValueError(
+            f"{type(config).__name__} (model_type={config.model_type!r}) has no model for {target.__name__}. "
+            f"Its model types are: {', '.join(sorted(c.model_type for c in target._model_mapping.keys() if hasattr(c, 'model_type')))}."
+        )
+    return model_class, config, model_kwargs
+
+
+def _init_params(model_class: type) -> set[str]:
+    """Keyword parameters ``model_class.__init__`` names explicitly (where unknown kwargs may legitimately go)."""
+    params = inspect.signature(model_class.__init__).parameters
+    return {n for n, p in params.items() if n not in ("self", "config") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) -> None:
+    if not unknown:
+        return
+    valid = set(inspect.signature(make_request).parameters) | set(NOT_IMPLEMENTED)
+    properties = {n for n in dir(type(config)) if isinstance(getattr(type(config), n, None), property) and not n.startswith("_")}
+    valid |= set(config.to_dict()) | properties | _init_params(model_class)
+    messages = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, sorted(valid), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        messages.append(f"{name!r}{hint}")
+    raise TypeError(
+        f"from_pretrained got unexpected keyword argument(s) {', '.join(messages)}. Keywords must be "
+        f"from_pretrained arguments, attributes of {type(config).__name__} (to override the config), or "
+        f"arguments of {model_class.__name__}.__init__."
+    )
+
+
+def _is_hub_repo(path: str, subfolder: str) -> bool:
+    """A local folder is loaded from disk; anything else must be a valid Hub repo id (else: not found)."""
+    if os.path.isdir(os.path.join(path, subfolder)) or os.path.isdir(path):
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise CheckpointNotFoundError(
+            f"{path!r} is neither a local folder nor a Hub repo id ('org/name'). Check the path."
+        ) from None
+    return True
+
+
+def _proc_status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

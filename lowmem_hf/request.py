@@ -1,0 +1,263 @@
+"""The request: every ``from_pretrained`` argument, validated once into one frozen ``LoadRequest``.
+
+All front ends fill the same request: the ``LowMemAutoModel*`` classes, the one-line switch that routes
+transformers' own ``from_pretrained`` calls here, and the CLI. ``make_request`` holds the one signature and
+the argument checks; nothing downstream re-reads raw keyword arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from .errors import UnsupportedArgumentError
+from .fetch import FETCH_MODES
+from .plan.dtypes import check_dtype_policy, parse_dtype, parse_overrides
+from .stream import DEFAULT_CHUNK_BYTES
+
+__all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request", "NOT_IMPLEMENTED"]
+
+# transformers' documented from_pretrained arguments whose behaviour lowmem_hf does not implement. Each raises
+# UnsupportedArgumentError naming it, rather than being silently dropped; the switch hands such calls to
+# transformers' own loader instead.
+NOT_IMPLEMENTED = {
+    "state_dict": "pass a folder saved with save_pretrained instead",
+    "quantization_config": "quantized loading is not supported; load in a float dtype",
+    "gguf_file": "GGUF files are not supported; convert to safetensors",
+    "max_memory": "lowmem_hf places the whole model on one device",
+    "offload_folder": "disk offload is not supported",
+    "offload_buffers": "disk offload is not supported",
+    "offload_state_dict": "disk offload is not supported",
+    "distributed_config": "pass tp_plan / tp_size (tensor parallelism only; FSDP, pipeline and expert parallelism are not supported)",
+    "adapter_kwargs": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
+    "adapter_name": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
+    "use_kernels": "hub kernels are not supported",
+    "kernel_config": "hub kernels are not supported",
+    "allow_all_kernels": "hub kernels are not supported",
+    "fusion_config": "fusion patches are not supported",
+    "from_tf": "TensorFlow checkpoints are not supported",
+    "from_flax": "Flax checkpoints are not supported",
+    "mirror": "mirrors are not supported",
+}
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """Where and how files come from the Hub (transformers' and huggingface_hub's names)."""
+
+    revision: str | None = None
+    """Branch, tag or commit; after ``prepare`` the pinned commit sha."""
+    cache_dir: str | None = None
+    local_files_only: bool = False
+    token: str | bool | None = None
+    force_download: bool = False
+    proxies: Mapping[str, str] | None = None
+    subfolder: str = ""
+    """A folder inside the repo (or local folder) that holds config and weights."""
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments transformers' config and remote-code loaders take."""
+        return {
+            "cache_dir": self.cache_dir,
+            "force_download": self.force_download,
+            "local_files_only": self.local_files_only,
+            "proxies": self.proxies,
+            "revision": self.revision,
+            "subfolder": self.subfolder,
+            "token": self.token,
+        }
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """Tensor-parallel arguments as given (validated against the process group in ``tensor_parallel.request_tp``)."""
+
+    tp_plan: str | Mapping[str, str] | None = None
+    tp_size: int | None = None
+    tp_rank: int | None = None
+    device_mesh: Any = None
+
+    @property
+    def requested(self) -> bool:
+        return any(v is not None for v in (self.tp_plan, self.tp_size, self.tp_rank, self.device_mesh))
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load, fully specified and validated. Build with ``make_request``; never mutated (use ``dataclasses.replace``)."""
+
+    target: type
+    """A transformers ``AutoModel*`` class (routes on the config) or a concrete ``PreTrainedModel`` subclass."""
+    name_or_path: str
+    """A local folder or a Hub repo id."""
+    model_args: tuple = ()
+    """Positional arguments for the model's ``__init__``."""
+    dtype: torch.dtype | str = "auto"
+    """The declared dtype, or ``"auto"`` (config, else checkpoint), decided as transformers 5 does."""
+    dtype_policy: str = "declared"
+    """``"declared"`` or ``"loaded"`` (see ``plan.dtypes``)."""
+    dtype_overrides: tuple[tuple[str, torch.dtype], ...] = ()
+    """Ordered ``(glob, dtype)`` rules that beat the policy."""
+    device: torch.device = torch.device("cpu")
+    config: Any = None
+    """A config object or a path to one, instead of the checkpoint's ``config.json``."""
+    hub: HubOptions = field(default_factory=HubOptions)
+    variant: str | None = None
+    use_safetensors: bool | None = None
+    weights_only: bool = True
+    trust_remote_code: bool | None = None
+    code_revision: str | None = None
+    attn_implementation: str | Mapping | None = None
+    experts_implementation: str | None = None
+    ignore_mismatched_sizes: bool = False
+    key_mapping: Mapping[str, str] | None = None
+    generation_config: Any = None
+    output_loading_info: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Staging chunk size for dtype conversion and device copies."""
+    fetch: str = "files"
+    """Hub loads: ``"files"`` (into the HF cache) or ``"ranges"`` (byte ranges into memory)."""
+    tp: TPOptions = field(default_factory=TPOptions)
+    config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
+    tqdm_class: Any = None
+    """A tqdm-compatible class for the progress bar (transformers' argument); ``None`` for tqdm's."""
+
+    def with_revision(self, commit: str) -> "LoadRequest":
+        """The same request pinned to one commit."""
+        return replace(self, hub=replace(self.hub, revision=commit))
+
+
+def _single_device(device: Any, device_map: Any) -> torch.device:
+    """The one device the model goes to, from ``device`` and/or a single-device ``device_map``."""
+    if device_map is not None:
+        if isinstance(device_map, dict):
+            values = set(str(torch.device(v) if isinstance(v, int) else v) for v in device_map.values())
+            if len(values) != 1:
+                raise UnsupportedArgumentError(
+                    "device_map",
+                    f"device_map={device_map!r} spreads the model over {sorted(values)}; lowmem_hf places the "
+                    "whole model on one device. Pass device='cuda:0' (or a one-device map like {'': 0}).",
+                )
+            (mapped,) = values
+        elif isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise UnsupportedArgumentError(
+                "device_map",
+                f"device_map={device_map!r} dispatches the model across devices, which lowmem_hf does not do. "
+                "Pass one device, e.g. device_map='cuda:0' or device='cpu'.",
+            )
+        else:
+            mapped = device_map
+        if mapped == "disk":
+            raise UnsupportedArgumentError("device_map", "device_map='disk' (disk offload) is not supported; load to 'cpu'.")
+        mapped = torch.device(f"cuda:{mapped}" if isinstance(mapped, int) else mapped)
+        if device is not None and torch.device(device) != mapped:
+            raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them.")
+        return mapped
+    return torch.device(device if device is not None else "cpu")
+
+
+def make_request(
+    target: type,
+    pretrained_model_name_or_path: str | os.PathLike,
+    *model_args: Any,
+    torch_dtype: Any = None,
+    dtype: Any = None,
+    dtype_policy: str = "declared",
+    dtype_overrides: Any = None,
+    device: str | torch.device | None = None,
+    device_map: Any = None,
+    config: Any = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    force_download: bool = False,
+    proxies: dict | None = None,
+    subfolder: str = "",
+    variant: str | None = None,
+    use_safetensors: bool | None = None,
+    weights_only: bool = True,
+    trust_remote_code: bool | None = None,
+    code_revision: str | None = None,
+    attn_implementation: str | dict | None = None,
+    experts_implementation: str | None = None,
+    ignore_mismatched_sizes: bool = False,
+    key_mapping: dict[str, str] | None = None,
+    generation_config: Any = None,
+    output_loading_info: bool = False,
+    low_cpu_mem_usage: bool | None = None,
+    disable_mmap: bool | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fetch: str = "files",
+    tp_plan: str | dict | None = None,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+    device_mesh: Any = None,
+    tqdm_class: Any = None,
+    **config_overrides: Any,
+) -> LoadRequest:
+    """Validate ``from_pretrained``'s arguments into a ``LoadRequest`` (see ``LowMemAutoModelBase.from_pretrained``).
+
+    ``low_cpu_mem_usage`` and ``disable_mmap`` are accepted for compatibility and have no effect: lowmem_hf
+    always streams (transformers 5 ignores ``low_cpu_mem_usage`` too).
+
+    Raises:
+        UnsupportedArgumentError: a transformers argument lowmem_hf does not implement (names it).
+        ValueError: a bad dtype, dtype policy, fetch mode, chunk size or device combination.
+    """
+    for name in [n for n in config_overrides if n in NOT_IMPLEMENTED]:
+        raise UnsupportedArgumentError(name, f"from_pretrained({name}=...) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}.")
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
+    requested = dtype if dtype is not None else torch_dtype
+    if requested is None:
+        requested = "auto"  # transformers 5's default
+    if isinstance(requested, dict):
+        raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
+    if requested != "auto":
+        requested = parse_dtype(requested, argument="torch_dtype" if torch_dtype is not None else "dtype")
+    check_dtype_policy(dtype_policy)
+    if fetch not in FETCH_MODES:
+        raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    return LoadRequest(
+        target=target,
+        name_or_path=os.fspath(pretrained_model_name_or_path),
+        model_args=tuple(model_args),
+        dtype=requested,
+        dtype_policy=dtype_policy,
+        dtype_overrides=parse_overrides(dtype_overrides),
+        device=_single_device(device, device_map),
+        config=config,
+        hub=HubOptions(
+            revision=revision,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
+            proxies=proxies,
+            subfolder=subfolder,
+        ),
+        variant=variant,
+        use_safetensors=use_safetensors,
+        weights_only=weights_only,
+        trust_remote_code=trust_remote_code,
+        code_revision=code_revision,
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+        ignore_mismatched_sizes=ignore_mismatched_sizes,
+        key_mapping=key_mapping,
+        generation_config=generation_config,
+        output_loading_info=output_loading_info,
+        chunk_bytes=chunk_bytes,
+        fetch=fetch,
+        tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh),
+        config_overrides=MappingProxyType(dict(config_overrides)),
+        tqdm_class=tqdm_class,
+    )
