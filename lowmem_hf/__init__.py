@@ -18,6 +18,7 @@ from .errors import (
     UnsupportedConversionError,
 )
 from .load import PreparedLoad, execute, prepare
+from .patch import is_patched, patch_transformers, unpatch_transformers
 from .request import LoadRequest, make_request
 from .types import DtypeDecision, LoadReport
 
@@ -38,6 +39,9 @@ __all__ = [
     "make_request",
     "prepare",
     "execute",
+    "patch_transformers",
+    "unpatch_transformers",
+    "is_patched",
     "LoadReport",
     "DtypeDecision",
     "LowMemError",

@@ -2,6 +2,7 @@
 
     lowmem-hf demo [--workdir DIR]       build a small sharded Llama offline, load it, print the report
     lowmem-hf load PATH [--dtype bfloat16] [--auto-class AutoModelForCausalLM] [--dtype-policy declared]
+    lowmem-hf run SCRIPT [ARGS...]       run an unchanged script with every from_pretrained through lowmem_hf
 """
 
 from __future__ import annotations
@@ -69,7 +70,24 @@ def _load(path: str, auto_class: str, dtype: str, policy: str) -> int:
     return 0
 
 
+def _run(argv: list[str]) -> int:
+    """``run SCRIPT [ARGS...]``: everything after SCRIPT belongs to the script, so argparse never sees it."""
+    if not argv or argv[0].startswith("-"):
+        print("lowmem-hf run: usage: lowmem-hf run SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    if not os.path.isfile(argv[0]):
+        print(f"lowmem-hf run: error: script {argv[0]!r} does not exist", file=sys.stderr)
+        return 2
+    from .runner import run_script
+
+    run_script(argv[0], argv[1:])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        return _run(argv[1:])
     parser = argparse.ArgumentParser(prog="lowmem-hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build a small sharded Llama offline and load it")
@@ -80,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--auto-class", default="AutoModelForCausalLM")
     load.add_argument("--dtype", default="auto")
     load.add_argument("--dtype-policy", default="declared", choices=["declared", "loaded"])
+    sub.add_parser("run", help="run an unchanged script with the switch on: lowmem-hf run SCRIPT [ARGS...]")
     args = parser.parse_args(argv)
     if args.command == "demo":
         path = _build_demo_checkpoint(args.workdir)

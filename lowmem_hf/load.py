@@ -27,7 +27,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_mode
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, UnsupportedArgumentError
 from .fetch import HttpRanges, fetch_files
 from .hub import pin_revision, resolve_hub
 from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
@@ -77,6 +77,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
         # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
     model_class, config, model_kwargs = _resolve_class_and_config(request)
+    _reject_quantized(config)
     _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
     if request.attn_implementation is not None:
         config._attn_implementation = request.attn_implementation
@@ -294,6 +295,18 @@ def _reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) 
         f"from_pretrained arguments, attributes of {type(config).__name__} (to override the config), or "
         f"arguments of {model_class.__name__}.__init__."
     )
+
+
+def _reject_quantized(config: Any) -> None:
+    """A quantized checkpoint needs transformers' quantizers, which lowmem_hf does not implement."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", "?")
+        raise UnsupportedArgumentError(
+            "quantization_config",
+            f"the checkpoint's config.json has a quantization_config (quant_method={method!r}); quantized "
+            "checkpoints are not supported by lowmem_hf: load them with transformers' from_pretrained.",
+        )
 
 
 def _is_hub_repo(path: str, subfolder: str) -> bool:

@@ -1,0 +1,146 @@
+"""The one-line switch: route transformers' own ``from_pretrained`` calls through lowmem_hf.
+
+    import lowmem_hf
+    lowmem_hf.patch_transformers()          # or: with lowmem_hf.patch_transformers(): ...
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)   # loaded by lowmem_hf
+
+Unchanged scripts get the same through ``lowmem-hf run SCRIPT ARGS`` (``runner.py``). Patching transformers
+is the product here (STYLE.md, convention 7), so it is explicit, reversible and tested: the originals are kept
+as they were found on the classes and ``unpatch_transformers()`` puts exactly those objects back.
+
+What is patched: ``from_pretrained`` of ``_BaseAutoModelClass`` and of every ``AutoModel*`` class (transformers
+gives each auto class its own copy of the method) and
+``PreTrainedModel.from_pretrained`` (every concrete model class, including subclasses a user wrote, unless
+they override ``from_pretrained`` without calling ``super()``). A call lowmem_hf cannot honour (an argument it
+does not implement, such as ``quantization_config`` or ``device_map="auto"``, or a quantized checkpoint) goes to
+transformers' own loader, with one warning naming the argument: behaviour never changes silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Any
+
+import transformers.models.auto.modeling_auto  # noqa: F401  (creates the AutoModel* classes the switch patches)
+from transformers import PreTrainedModel
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+from .errors import UnsupportedArgumentError
+from .load import execute, prepare
+from .request import make_request
+
+__all__ = ["patch_transformers", "unpatch_transformers", "is_patched", "FallbackWarning"]
+
+logger = logging.getLogger("lowmem_hf")
+
+# transformers' internal telemetry flags, set by its own callers (auto classes, pipelines); they change nothing
+# about what is loaded, so the switch drops them rather than refusing the call.
+_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
+
+_originals: dict[type, Any] = {}
+# Set while a call is inside lowmem_hf or inside transformers' loader on a fallback: transformers' auto classes
+# call the concrete class's from_pretrained, which must then go straight to transformers' own code.
+_active = threading.local()
+
+
+class FallbackWarning(UserWarning):
+    """A ``from_pretrained`` call under the switch was handed to transformers' own loader."""
+
+
+class _Patch:
+    """Returned by ``patch_transformers()``; as a context manager it undoes the patch on exit."""
+
+    def __enter__(self) -> "_Patch":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        unpatch_transformers()
+
+
+def patch_transformers() -> _Patch:
+    """Route every ``AutoModel*.from_pretrained`` and ``PreTrainedModel.from_pretrained`` through lowmem_hf.
+
+    Idempotent. Works as a plain call or as a context manager (``with patch_transformers(): ...``).
+
+    Returns:
+        A handle whose ``__exit__`` calls ``unpatch_transformers()``.
+
+    Example:
+        >>> with lowmem_hf.patch_transformers():
+        ...     model = AutoModelForCausalLM.from_pretrained("./my-llama", dtype=torch.bfloat16)
+    """
+    if not _originals:
+        for cls in _classes_to_patch():
+            _originals[cls] = cls.__dict__["from_pretrained"]
+            cls.from_pretrained = classmethod(_switched_from_pretrained)
+    return _Patch()
+
+
+def _classes_to_patch() -> list[type]:
+    """``PreTrainedModel`` and every auto class that carries its own ``from_pretrained``."""
+    found, todo = [PreTrainedModel, _BaseAutoModelClass], [_BaseAutoModelClass]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if "from_pretrained" in sub.__dict__:
+                found.append(sub)
+    return found
+
+
+def unpatch_transformers() -> None:
+    """Put transformers' original ``from_pretrained`` methods back (a no-op when not patched)."""
+    for cls, original in _originals.items():
+        cls.from_pretrained = original
+    _originals.clear()
+
+
+def is_patched() -> bool:
+    """Whether ``patch_transformers()`` is in effect."""
+    return bool(_originals)
+
+
+def _original_for(cls: type) -> Any:
+    """transformers' own method for ``cls``: the nearest patched class in its MRO."""
+    owner = next(c for c in cls.__mro__ if c in _originals)
+    return _originals[owner].__get__(None, cls)
+
+
+def _switched_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    if getattr(_active, "depth", 0):
+        return _original_for(cls)(pretrained_model_name_or_path, *model_args, **kwargs)
+    _active.depth = 1
+    try:
+        return _load_or_fall_back(cls, pretrained_model_name_or_path, model_args, kwargs)
+    finally:
+        _active.depth = 0
+
+
+def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
+    ours = {k: v for k, v in kwargs.items() if k not in _TELEMETRY_KWARGS}
+    try:
+        prepared = prepare(make_request(cls, path, *model_args, **ours))
+    except UnsupportedArgumentError as unsupported:
+        warnings.warn(
+            f"lowmem_hf: {cls.__name__}.from_pretrained({str(path)!r}) uses {unsupported.argument!r}, which "
+            f"lowmem_hf does not implement ({unsupported}); loading with transformers' own from_pretrained instead.",
+            FallbackWarning,
+            stacklevel=4,
+        )
+        return _original_for(cls)(path, *model_args, **kwargs)
+    model, report = execute(prepared)
+    logger.info(
+        "lowmem_hf loaded %s from %s: %s, %.1f MiB read, %.1f MiB of parameters, %.2f s",
+        type(model).__name__, path, report.dtype, report.bytes_read / 2**20, report.model_bytes / 2**20, report.wall_seconds,
+    )
+    model.lowmem_report = report  # what a script cannot ask for through transformers' API
+    if not prepared.request.output_loading_info:
+        return model
+    # transformers' contract for output_loading_info: LoadStateDictInfo.to_dict()
+    return model, {
+        "missing_keys": set(report.missing_keys),
+        "unexpected_keys": set(report.unexpected_keys),
+        "mismatched_keys": set(report.mismatched_keys),
+        "error_msgs": list(report.error_msgs),
+    }
