@@ -1,20 +1,38 @@
-"""``lowmem-hf``: load a checkpoint and print what the load did.
+"""``lowmem-hf``: plan a load, measure one against transformers, or run an unchanged script with the switch on.
 
-    lowmem-hf demo [--workdir DIR]       build a small sharded Llama offline, load it, print the report
-    lowmem-hf load PATH [--dtype bfloat16] [--auto-class AutoModelForCausalLM] [--dtype-policy declared]
-    lowmem-hf run SCRIPT [ARGS...]       run an unchanged script with every from_pretrained through lowmem_hf
+    lowmem-hf plan MODEL [--tp-size N] [--json] ...      what every rank will read, download and hold; no tensor byte
+    lowmem-hf load MODEL [--compare-transformers] ...    a measured load in a fresh process (also under torchrun)
+    lowmem-hf run SCRIPT [ARGS...]                       every from_pretrained of SCRIPT through lowmem_hf
+    lowmem-hf demo [--workdir DIR]                       build a small sharded Llama offline, load it, print the report
+
+MODEL is a local folder or a Hub repo id. Common options: --auto-class C (default AutoModelForCausalLM),
+--dtype D, --dtype-policy declared|loaded, --revision R, --fetch files|ranges. Bad input is one line on stderr
+and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
+from typing import Callable
 
-import torch
+__all__ = ["main", "format_report", "UsageError", "COMMANDS"]
 
-__all__ = ["main", "format_report"]
+_MIB = 1024 * 1024
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own prints usage over several lines and exits
+        command = self.prog.removeprefix("lowmem-hf").strip()
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
 def format_report(report) -> str:
@@ -23,27 +41,179 @@ def format_report(report) -> str:
     for decision in report.dtype_decisions.values():
         key = f"{str(decision.dtype).removeprefix('torch.')} ({decision.rule})"
         rules[key] = rules.get(key, 0) + 1
-    mib = 1024 * 1024
     lines = [
         f"format          {report.checkpoint_format}, {len(report.files_read)} file(s) read",
-        f"bytes read      {report.bytes_read / mib:.1f} MiB (headers {report.header_bytes / 1024:.1f} KiB)",
-        f"model bytes     {report.model_bytes / mib:.1f} MiB",
-        f"staging         {report.staging_bytes / mib:.1f} MiB at most",
+        f"bytes read      {report.bytes_read / _MIB:.1f} MiB (headers {report.header_bytes / 1024:.1f} KiB)",
+        f"model bytes     {report.model_bytes / _MIB:.1f} MiB",
+        f"staging         {report.staging_bytes / _MIB:.1f} MiB at most",
         f"dtype           {report.dtype} (policy {report.dtype_policy!r})",
         "decisions       " + ", ".join(f"{n} x {k}" for k, n in sorted(rules.items())),
         f"missing         {sorted(report.missing_keys) or 'none'}",
         f"unexpected      {sorted(report.unexpected_keys) or 'none'}",
         f"mismatched      {sorted(report.mismatched_keys) or 'none'}",
         f"wall            {report.wall_seconds:.3f} s",
-        f"peak RssAnon    {report.peak_rss_anon_bytes / mib:.1f} MiB (whole process)",
-        f"VmHWM           {report.peak_vm_hwm_bytes / mib:.1f} MiB (whole process)",
+        f"peak RssAnon    {report.peak_rss_anon_bytes / _MIB:.1f} MiB (whole process)",
+        f"VmHWM           {report.peak_vm_hwm_bytes / _MIB:.1f} MiB (whole process)",
     ]
     lines += [f"note            {n}" for n in report.notes]
     return "\n".join(lines)
 
 
+# ---- shared options and the request they make -----------------------------------------------------------
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a local folder or a Hub repo id")
+    p.add_argument("--auto-class", default="AutoModelForCausalLM")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype-policy", default="declared", choices=["declared", "loaded"])
+    p.add_argument("--revision")
+    p.add_argument("--fetch", default="files", choices=["files", "ranges"])
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def _auto_class(name: str):
+    import lowmem_hf
+
+    cls = lowmem_hf.AUTO_CLASSES.get("LowMem" + name)
+    if cls is None:
+        raise UsageError(f"unknown --auto-class {name!r}; choose one of: {', '.join(sorted(c[6:] for c in lowmem_hf.AUTO_CLASSES))}")
+    return cls._auto_class
+
+
+def _prepare(args, *, tp_rank: int):
+    """``prepare`` one rank's load without a process group; bad input becomes a UsageError."""
+    from .errors import LowMemError
+    from .load import prepare
+    from .request import make_request
+
+    if args.tp_size < 1:
+        raise UsageError(f"--tp-size must be at least 1, got {args.tp_size}")
+    tp = {"tp_plan": "auto", "tp_rank": tp_rank, "tp_size": args.tp_size} if args.tp_size > 1 else {}
+    try:
+        return prepare(make_request(
+            _auto_class(args.auto_class), args.model, torch_dtype=args.dtype, dtype_policy=args.dtype_policy,
+            revision=args.revision, fetch=args.fetch, **tp,
+        ))
+    except (LowMemError, OSError, ValueError, TypeError, NotImplementedError) as error:
+        raise UsageError(" ".join(str(error).split())) from None
+
+
+# ---- plan ----------------------------------------------------------------------------------------------
+
+
+def _plan_parser(p: argparse.ArgumentParser) -> None:
+    _model_options(p)
+
+
+def _plan(args) -> int:
+    estimates = [_prepare(args, tp_rank=r).estimate() for r in range(args.tp_size)]
+    if args.json:
+        print(json.dumps({"model": args.model, "tp_size": args.tp_size, "ranks": [e.to_json() for e in estimates]}, indent=2))
+        return 0
+    print(f"plan for {args.model} (tp_size {args.tp_size}); no tensor byte was read")
+    for e in estimates:
+        print(
+            f"rank {e.rank}: {len(e.files)} file(s), read {e.bytes_to_read / _MIB:.1f} MiB, download "
+            f"{e.bytes_to_download / _MIB:.1f} MiB, final {e.final_bytes / _MIB:.1f} MiB, predicted peak "
+            f"{e.predicted_peak_bytes / _MIB:.1f} MiB above baseline"
+        )
+        print("        dtypes: " + "; ".join(e.dtype_summary))
+    return 0
+
+
+# ---- load ----------------------------------------------------------------------------------------------
+
+
+def _load_parser(p: argparse.ArgumentParser) -> None:
+    _model_options(p)
+    p.add_argument("--compare-transformers", action="store_true", help="also load with transformers' from_pretrained, measured the same way")
+
+
+def _measured(args, loader: str) -> dict:
+    """One load in a fresh child process, memory sampled from here (see ``lowmem_hf.measure``)."""
+    from .measure import run_child
+
+    argv = [
+        sys.executable, "-m", "lowmem_hf._load_child", args.model, "--loader", loader, "--auto-class", args.auto_class,
+        "--dtype", args.dtype, "--dtype-policy", args.dtype_policy, "--fetch", args.fetch, "--tp-size", str(args.tp_size),
+    ] + (["--revision", args.revision] if args.revision else [])
+    with tempfile.TemporaryFile("w+") as stderr:
+        result = run_child(argv, stderr=stderr)
+        if not result["ok"]:
+            stderr.seek(0)
+            tail = stderr.read().strip().splitlines()[-1:] or [result["error"]]
+            raise UsageError(f"the {loader} load failed: {tail[0]}")
+    child = result["result"]
+    return {
+        "loader": loader,
+        "seconds": child["seconds"],
+        "bytes_read": child["bytes_read"],
+        "rchar": child["rchar"],
+        "model_bytes": child["model_bytes"],
+        "peak_rss_anon_bytes": result["peak_rss_anon_above_baseline_kb"] * 1024,
+        "peak_vm_hwm_bytes": result["vmhwm_above_baseline_kb"] * 1024,
+        "peak_rss_file_bytes": result["peak_rss_file_above_baseline_kb"] * 1024,
+        "missing_keys": child["missing_keys"],
+        "unexpected_keys": child["unexpected_keys"],
+    }
+
+
+def _load(args) -> int:
+    if args.tp_size > 1 and "RANK" not in os.environ:
+        raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
+    rank = int(os.environ.get("RANK", "0"))
+    _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
+    runs = [_measured(args, "lowmem")] + ([_measured(args, "transformers")] if args.compare_transformers else [])
+    if args.json:
+        print(json.dumps({"model": args.model, "rank": rank, "loads": runs}, indent=2))
+        return 0
+    tag = f"[rank {rank}] " if "RANK" in os.environ else ""
+    for r in runs:
+        throughput = (r["rchar"] / _MIB) / r["seconds"] if r["seconds"] else 0.0
+        read = f"{r['bytes_read'] / _MIB:.1f} MiB read" if r["bytes_read"] is not None else "bytes read: n/a"
+        print(
+            f"{tag}{r['loader']:>12}: {r['seconds']:.2f} s, {read}, rchar {r['rchar'] / _MIB:.1f} MiB "
+            f"({throughput:.0f} MiB/s), model {r['model_bytes'] / _MIB:.1f} MiB, peak above baseline RssAnon "
+            f"{r['peak_rss_anon_bytes'] / _MIB:.1f} MiB / VmHWM {r['peak_vm_hwm_bytes'] / _MIB:.1f} MiB"
+        )
+        print(f"{tag}{'':>12}  missing {r['missing_keys'] or 'none'}, unexpected {r['unexpected_keys'] or 'none'}")
+    if len(runs) == 2:
+        ours, theirs = runs
+        ratio = lambda key: ours[key] / theirs[key] if theirs[key] else float("nan")  # noqa: E731
+        print(
+            f"{tag}lowmem_hf / transformers: time {ratio('seconds'):.2f}x, RssAnon {ratio('peak_rss_anon_bytes'):.2f}x, "
+            f"VmHWM {ratio('peak_vm_hwm_bytes'):.2f}x (rchar does not count transformers' mmap page-ins)"
+        )
+    return 0
+
+
+# ---- run and demo --------------------------------------------------------------------------------------
+
+
+def _run_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _run(args) -> int:
+    if not os.path.isfile(args.script):
+        raise UsageError(f"lowmem-hf run: script {args.script!r} does not exist")
+    from .runner import run_script
+
+    run_script(args.script, args.args)
+    return 0
+
+
+def _demo_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lowmem-hf-demo"))
+    p.add_argument("--dtype", default="bfloat16")
+
+
 def _build_demo_checkpoint(folder: str) -> str:
     """A small random Llama (about 30 MB in fp32), saved sharded: the bundled offline default."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
@@ -57,53 +227,40 @@ def _build_demo_checkpoint(folder: str) -> str:
     return folder
 
 
-def _load(path: str, auto_class: str, dtype: str, policy: str) -> int:
-    import lowmem_hf
+def _demo(args) -> int:
+    from . import LowMemAutoModelForCausalLM
 
-    cls = lowmem_hf.AUTO_CLASSES.get("LowMem" + auto_class)
-    if cls is None:
-        print(f"unknown auto class {auto_class!r}; choose one of: {', '.join(sorted(c[6:] for c in lowmem_hf.AUTO_CLASSES))}", file=sys.stderr)
-        return 2
-    model, report = cls.from_pretrained(path, torch_dtype=dtype, dtype_policy=policy, output_loading_info=True)
+    path = _build_demo_checkpoint(args.workdir)
+    model, report = LowMemAutoModelForCausalLM.from_pretrained(path, torch_dtype=args.dtype, output_loading_info=True)
     print(f"loaded {type(model).__name__} from {path}")
     print(format_report(report))
     return 0
 
 
-def _run(argv: list[str]) -> int:
-    """``run SCRIPT [ARGS...]``: everything after SCRIPT belongs to the script, so argparse never sees it."""
-    if not argv or argv[0].startswith("-"):
-        print("lowmem-hf run: usage: lowmem-hf run SCRIPT [ARGS...]", file=sys.stderr)
-        return 2
-    if not os.path.isfile(argv[0]):
-        print(f"lowmem-hf run: error: script {argv[0]!r} does not exist", file=sys.stderr)
-        return 2
-    from .runner import run_script
-
-    run_script(argv[0], argv[1:])
-    return 0
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "plan": ("what each rank will read, download and hold; reads no tensor byte", _plan_parser, _plan),
+    "load": ("a measured load in a fresh process, optionally against transformers", _load_parser, _load),
+    "run": ("run an unchanged script with every from_pretrained through lowmem_hf", _run_parser, _run),
+    "demo": ("build a small sharded Llama offline and load it", _demo_parser, _demo),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"]:
-        return _run(argv[1:])
-    parser = argparse.ArgumentParser(prog="lowmem-hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build a small sharded Llama offline and load it")
-    demo.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "lowmem-hf-demo"))
-    demo.add_argument("--dtype", default="bfloat16")
-    load = sub.add_parser("load", help="load a local checkpoint folder and print the report")
-    load.add_argument("path")
-    load.add_argument("--auto-class", default="AutoModelForCausalLM")
-    load.add_argument("--dtype", default="auto")
-    load.add_argument("--dtype-policy", default="declared", choices=["declared", "loaded"])
-    sub.add_parser("run", help="run an unchanged script with the switch on: lowmem-hf run SCRIPT [ARGS...]")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        path = _build_demo_checkpoint(args.workdir)
-        return _load(path, "AutoModelForCausalLM", args.dtype, "declared")
-    return _load(args.path, args.auto_class, args.dtype, args.dtype_policy)
+    parser = _Parser(prog="lowmem-hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help_text, build, _) in COMMANDS.items():
+        build(sub.add_parser(name, help=help_text))
+    try:
+        if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
+            # everything after SCRIPT is the script's, even options lowmem-hf also knows
+            args = argparse.Namespace(command="run", script=argv[1], args=argv[2:])
+        else:
+            args = parser.parse_args(argv)
+        return COMMANDS[args.command][2](args)
+    except UsageError as error:
+        print(f"lowmem-hf: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class RemoteFileChangedError(LowMemError, OSError):
     """A remote file no longer matches the size/etag the load was planned with."""
 
 
-def fetch_files(checkpoint: Checkpoint, needed: Iterable[str], hub: dict) -> dict[str, str]:
+def fetch_files(checkpoint: Checkpoint, needed: Iterable[str], hub: dict, *, tqdm_class=None) -> dict[str, str]:
     """Download the needed repo files at the pinned commit into the HF cache; ``{repo path: local path}``."""
     paths = dict(checkpoint.local_paths)
     for repo_path in needed:
@@ -51,6 +51,7 @@ def fetch_files(checkpoint: Checkpoint, needed: Iterable[str], hub: dict) -> dic
             force_download=bool(hub.get("force_download")),
             local_files_only=bool(hub.get("local_files_only")),
             token=hub.get("token"),
+            tqdm_class=tqdm_class,
         )
         _check_size(checkpoint.remote.get(repo_path), paths[repo_path])
     return paths

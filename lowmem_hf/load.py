@@ -31,10 +31,12 @@ from .errors import CheckpointNotFoundError, UnsupportedArgumentError
 from .fetch import HttpRanges, fetch_files
 from .hub import pin_revision, resolve_hub
 from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
+from .plan.estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
+from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import StreamStats, stream
+from .stream import DEFAULT_WORKERS, StreamStats, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -58,6 +60,15 @@ class PreparedLoad:
     """The validated tensor-parallel request, ``None`` without TP."""
     started: float
     """``time.perf_counter()`` when ``prepare`` began (the report's wall time counts from here)."""
+
+    def estimate(self) -> PlanEstimate:
+        """What ``execute`` will read, download and hold on this rank (the dry run's numbers)."""
+        return estimate_plan(
+            self.model, self.plan, self.checkpoint,
+            rank=self.tp.tp_rank if self.tp is not None else 0,
+            chunk_bytes=self.request.chunk_bytes, workers=DEFAULT_WORKERS,
+            cached=self.checkpoint.local_paths, fetch=self.request.fetch,
+        )
 
 
 def prepare(request: LoadRequest) -> PreparedLoad:
@@ -119,7 +130,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     if checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
         source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
     elif checkpoint.repo_id is not None:
-        paths = fetch_files(checkpoint, plan.files, hub)
+        paths = fetch_files(checkpoint, plan.files, hub, tqdm_class=request.tqdm_class)
 
     # 5. stream submodule by submodule, assigning each before reading the next
     loading_info = LoadStateDictInfo(
@@ -130,14 +141,19 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         conversion_errors={},
         skipped_pp_keys=set(),
     )
-    stats = StreamStats()
+    bar = byte_bar(bytes_to_read(plan), desc="fetching" if source is not None else "loading", tqdm_class=request.tqdm_class)
+    stats = StreamStats(on_read=bar.update if bar is not None else None)
     peak_anon = _proc_status_bytes("RssAnon")
-    for _, tensors, staged in stream(
-        plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=request.chunk_bytes,
-        weights_only=request.weights_only, stats=stats, paths=paths, source=source,
-    ):
-        _assign.assign_submodule(model, tensors, staged, loading_info)
-        peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
+    try:
+        for _, tensors, staged in stream(
+            plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=request.chunk_bytes,
+            weights_only=request.weights_only, stats=stats, paths=paths, source=source,
+        ):
+            _assign.assign_submodule(model, tensors, staged, loading_info)
+            peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
+    finally:
+        if bar is not None:
+            bar.close()
 
     # 6. finish as transformers does, then prove it
     _assign.finalize(

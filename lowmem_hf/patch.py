@@ -137,10 +137,4 @@ def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
     model.lowmem_report = report  # what a script cannot ask for through transformers' API
     if not prepared.request.output_loading_info:
         return model
-    # transformers' contract for output_loading_info: LoadStateDictInfo.to_dict()
-    return model, {
-        "missing_keys": set(report.missing_keys),
-        "unexpected_keys": set(report.unexpected_keys),
-        "mismatched_keys": set(report.mismatched_keys),
-        "error_msgs": list(report.error_msgs),
-    }
+    return model, report.to_dict()  # transformers' contract: LoadStateDictInfo.to_dict()

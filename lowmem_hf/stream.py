@@ -52,6 +52,13 @@ class StreamStats:
     files_read: list[str] = field(default_factory=list)
     staging_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    on_read: Callable[[int], None] | None = None
+    """Called with the byte count of each finished tensor (the progress bar)."""
+
+    def read(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        if self.on_read is not None:
+            self.on_read(nbytes)
 
     def opened(self, path: str) -> None:
         if path not in self.files_read:
@@ -180,7 +187,7 @@ class SafetensorsReader:
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
         """Account one finished tensor (``nbytes`` read); release its file after the last one."""
-        self._stats.bytes_read += nbytes
+        self._stats.read(nbytes)
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
             self._source.release(info.file)
@@ -265,7 +272,7 @@ class TorchReader:
         return [functools.partial(chunk, a, b) for a, b in chunk_spans(src.numel(), info.dtype.itemsize, self._chunk_bytes)]
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
-        self._stats.bytes_read += nbytes
+        self._stats.read(nbytes)
         self._remaining[info.file] -= 1
         if self._remaining[info.file] == 0:
             self.close()
