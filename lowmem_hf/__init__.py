@@ -12,6 +12,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteLoadError,
     LowMemError,
+    MissingKeyError,
     MissingShardError,
     ShapeMismatchError,
     UnsupportedArgumentError,
@@ -19,6 +20,7 @@ from .errors import (
 )
 from .load import PreparedLoad, execute, prepare
 from .request import LoadRequest, make_request
+from .save import save_pretrained
 from .types import DtypeDecision, LoadReport
 
 globals().update(AUTO_CLASSES)
@@ -38,12 +40,14 @@ __all__ = [
     "make_request",
     "prepare",
     "execute",
+    "save_pretrained",
     "LoadReport",
     "DtypeDecision",
     "LowMemError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "MissingShardError",
+    "MissingKeyError",
     "ShapeMismatchError",
     "UnsupportedConversionError",
     "UnsupportedArgumentError",
