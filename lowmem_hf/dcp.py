@@ -19,14 +19,17 @@ overlap, straight into its destination, through the same staging as the Hub-form
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import itertools
 import math
 import os
+import pickle
 import re
 import sys
 import threading
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -348,6 +351,26 @@ class _FileView(io.RawIOBase):
         return len(data)
 
 
+class _TensorPickle(pickle.Unpickler):
+    """Reads the ``data.pkl`` of a one-tensor ``torch.save`` archive into ``{key, offset, size, stride}``.
+
+    Only the names such a pickle uses are allowed (anything else raises, as ``weights_only`` would); it reads
+    the few hundred bytes of the pickle, where ``torch.load(map_location="meta")`` reads several KiB per item.
+    """
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: {"key": storage, "offset": offset, "size": size, "stride": stride}
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a one-tensor torch.save pickle")
+
+    def persistent_load(self, pid):
+        return pid[2]  # ('storage', storage type, key, location, numel)
+
+
 @dataclass(frozen=True)
 class _Located:
     """Where a chunk's raw row-major bytes start, or the whole tensor when they are not raw."""
@@ -386,8 +409,8 @@ class DcpReader:
 
     def _locate(self, chunk: StoredChunk) -> _Located:
         """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed record. Read the
-        archive's directory and pickle (a few KiB, on ``meta``) to find that record; a tensor stored with other
-        strides or byte order is loaded whole instead (the minimal unit then)."""
+        archive's directory, its pickle and the record's local header (about 1 KiB) to find where they start; a
+        tensor stored with other strides or byte order is loaded whole instead (the minimal unit then)."""
         if chunk.raw:
             return _Located(chunk.byte_offset)
         found = self._located.get(chunk)
@@ -395,29 +418,36 @@ class DcpReader:
             return found
         fd = self._fd(chunk.file)
         try:
-            meta = torch.load(_FileView(fd, chunk.byte_offset, chunk.byte_length, self._count), map_location="meta", weights_only=True)
-            archive = torch._C.PyTorchFileReader(_FileView(fd, chunk.byte_offset, chunk.byte_length, self._count))
-            records = archive.get_all_records()
-            data = [r for r in records if r.startswith("data/")]
-            little = "byteorder" not in records or bytes(archive.get_record("byteorder")).decode() == "little"
-        except Exception as e:  # torch.load / the zip reader raise many types on damaged bytes
+            view = _FileView(fd, chunk.byte_offset, chunk.byte_length, self._count)
+            archive = zipfile.ZipFile(view)
+            entries = {i.filename.partition("/")[2]: i for i in archive.infolist()}
+            tensor = _TensorPickle(io.BytesIO(archive.read(entries["data.pkl"]))).load()
+            record = entries.get(f"data/{tensor['key']}")
+            little = "byteorder" not in entries or archive.read(entries["byteorder"]) == b"little"
+            if record is None or record.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"no uncompressed record data/{tensor['key']}")
+            # the data starts after the record's local header (30 bytes + name + the alignment padding torch adds)
+            view.seek(record.header_offset)
+            local = view.read(30)
+            data_offset = record.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        except Exception as e:  # the zip reader and unpickler raise many types on damaged bytes
             raise CorruptCheckpointError(
                 f"{chunk.file}: the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}) "
-                f"is not a readable torch.save archive ({type(e).__name__}: {e}). The file is corrupt: save it again."
+                f"is not a readable torch.save archive of one tensor ({type(e).__name__}: {e}). The file is corrupt: save it again."
             ) from e
-        if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.sizes or meta.dtype != chunk.dtype:
+        if tuple(tensor["size"]) != chunk.sizes:
             raise CorruptCheckpointError(
-                f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
-                f"{getattr(meta, 'dtype', type(meta).__name__)} {list(getattr(meta, 'shape', []))}, the checkpoint "
-                f"metadata says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
+                f"{chunk.file}: the item at byte {chunk.byte_offset} holds a tensor of shape {list(tensor['size'])}, "
+                f"the checkpoint metadata says {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
             )
-        if len(data) == 1 and meta.is_contiguous() and meta.storage_offset() == 0 and little == (sys.byteorder == "little"):
-            located = _Located(chunk.byte_offset + archive.get_record_offset(data[0]))
+        row_major = tuple(tensor["stride"]) == tuple(math.prod(chunk.sizes[d + 1 :]) for d in range(len(chunk.sizes)))
+        if row_major and tensor["offset"] == 0 and little == (sys.byteorder == "little"):
+            located = _Located(chunk.byte_offset + data_offset)
         else:
             whole = torch.load(_FileView(fd, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True)
             self._stats.staged(whole.nbytes)
             self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
-            located = _Located(None, whole)
+            located = _Located(None, whole.contiguous())
         with self._lock:
             self._located[chunk] = located
         return located

@@ -145,17 +145,19 @@ def _entries(model: Any, out_dtype: torch.dtype | None) -> list[_Entry]:
         state.pop(key, None)
     # transformers' own choice of which tied name stays (it compares storages, never reads data)
     state = remove_tied_weights_from_state_dict(state, model)
-    if getattr(model, "_weight_conversions", None):
-        from transformers.core_model_loading import revert_weight_conversion
+    # transformers reverts its load-time key conversions (and orders keys naturally, which decides the shard
+    # split); done on meta here: only names and order are needed, and a conversion that changes keys is refused
+    from transformers.core_model_loading import revert_weight_conversion
 
-        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
-        reverted = revert_weight_conversion(model, meta)
-        if set(reverted) != set(meta):
-            raise NotImplementedError(
-                f"{type(model).__name__} converts checkpoint keys on load (e.g. {sorted(set(reverted) - set(meta))[:2]}); "
-                "reverting that needs several full tensors at once, which lowmem_hf.save_pretrained does not do. "
-                "Use transformers' save_pretrained."
-            )
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    reverted = revert_weight_conversion(model, meta)
+    if set(reverted) != set(meta):
+        raise NotImplementedError(
+            f"{type(model).__name__} converts checkpoint keys on load (e.g. {sorted(set(reverted) ^ set(meta))[:2]}); "
+            "reverting that needs several full tensors at once, which lowmem_hf.save_pretrained does not do. "
+            "Use transformers' save_pretrained."
+        )
+    state = {k: state[k] for k in reverted}
     entries = []
     for name, t in state.items():
         if isinstance(t, DTensor) and not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
