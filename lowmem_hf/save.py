@@ -3,9 +3,10 @@
 ``save_pretrained(model, dir)`` writes what transformers' ``save_pretrained`` writes (``model.safetensors`` or
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``, the config, the generation config;
 tied weights once; the same shard split, by huggingface_hub's ``split_torch_state_dict_into_shards``), but
-never builds a full state dict: each safetensors header is computed from shapes up front, then every tensor
-is gathered to the writing rank (``DTensor.full_tensor``), converted, written and dropped before the next.
-No rank holds more than its local shard plus one full tensor.
+never builds a full state dict, nor even one full tensor: each safetensors header is computed from shapes up
+front, then for every tensor each rank converts its local shard and sends it to rank 0, which ``pwrite``s the
+shards one at a time at their places in the row-major layout. Rank 0 holds its local shard plus one received
+shard of one tensor; the other ranks hold nothing beyond their shards.
 
 ``distributed_checkpoint=True`` writes each rank's local shards with no gather, in transformers' sharded format
 (``shard-<rank+1>-model-00001-of-00001.safetensors`` with DCP's ``DCP_SHARDING_INFO`` offsets, what DCP's
@@ -212,6 +213,7 @@ def _header(items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dic
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
+    """Append a tensor's bytes to ``f`` (the sharded save)."""
     t = t.contiguous()
     data = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     view = memoryview(data.numpy())
@@ -219,13 +221,78 @@ def _write_tensor(f, t: torch.Tensor) -> None:
         f.write(view[start : start + _WRITE_BYTES])
 
 
-def _gather(entry: _Entry) -> torch.Tensor:
-    """The full tensor in the written dtype (a collective for DTensors: every rank calls it in the same order).
-    The local shard is converted before the gather, so only one full tensor of the written dtype exists."""
+def _as_shard(t: torch.Tensor) -> torch.Tensor:
+    """``_StridedShard`` redistributed to the equivalent ``Shard`` (as transformers does before saving), so every
+    rank's local tensor is one box of the global tensor."""
+    placement = t.placements[0]
+    if isinstance(placement, Shard) and type(placement) is not Shard:
+        t = t.redistribute(placements=[Shard(placement.dim)])
+    return t
+
+
+def _pieces(entry: _Entry, rank: int, world: int, group) -> list[tuple[int, int, int]] | None:
+    """For a ``Shard(d)`` DTensor: every rank's ``(dim, offset, size)`` along ``d`` (torch.chunk's split), else None."""
+    placement = entry.tensor.placements[0] if isinstance(entry.tensor, DTensor) else None
+    if not isinstance(placement, Shard):
+        return None
+    n = entry.shape[placement.dim]
+    return [(placement.dim, *reversed(Shard.local_shard_size_and_offset(n, world, r))) for r in range(world)]
+
+
+def _write_gathered(fd: int | None, start: int, entry: _Entry, group, rank: int) -> None:
+    """Write one tensor at byte ``start`` of rank 0's file (``fd``; ``None`` on other ranks or after a failure).
+
+    A ``Shard(d)`` tensor is never gathered whole: every rank converts its local shard, rank 0 receives them
+    one at a time and ``pwrite``s each at its place in the row-major layout (one run per leading index for
+    ``d > 0``). Rank 0 holds at most its own shard plus one received shard of this tensor.
+    """
+    from .dcp import box_runs
+
     t = entry.tensor.detach()
-    if t.dtype != entry.dtype:
-        t = t.to(entry.dtype)
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        if rank == 0:
+            _pwrite_runs(fd, start, t.to(entry.dtype).contiguous(), [(0, 0, t.numel())], entry)
+        return
+    t = _as_shard(t)
+    local = t.to_local().to(entry.dtype).contiguous()
+    world = t.device_mesh.size()
+    pieces = _pieces(_Entry(entry.name, t, entry.dtype), rank, world, group)
+    if pieces is None:  # replicated: rank 0's copy is the tensor
+        if rank == 0:
+            _pwrite_runs(fd, start, local, [(0, 0, local.numel())], entry)
+        return
+    if rank != 0:
+        if local.numel():
+            dist.send(local.reshape(-1).view(torch.uint8), group=group, group_dst=0)
+        return
+    for r, (dim, offset, size) in enumerate(pieces):
+        if size == 0:
+            continue
+        shape = list(entry.shape)
+        shape[dim] = size
+        if r == 0:
+            piece = local
+        else:
+            piece = torch.empty(shape, dtype=entry.dtype)
+            dist.recv(piece.reshape(-1).view(torch.uint8), group=group, group_src=r)
+        at = [0] * len(shape)
+        at[dim] = offset
+        runs = box_runs(tuple(shape), (0,) * len(shape), entry.shape, tuple(at), tuple(shape))
+        _pwrite_runs(fd, start, piece, runs, entry)
+        del piece
+
+
+def _pwrite_runs(fd: int | None, start: int, values: torch.Tensor, runs: list[tuple[int, int, int]], entry: _Entry) -> None:
+    """``pwrite`` ``(src, dst, n)`` element runs of ``values`` to ``start + dst * itemsize``."""
+    if fd is None or values.numel() == 0:
+        return
+    data = memoryview(values.reshape(-1).view(torch.uint8).numpy())
+    size = entry.dtype.itemsize
+    for src, dst, n in runs:
+        view, offset = data[src * size : (src + n) * size], start + dst * size
+        while len(view):
+            written = os.pwrite(fd, view[:_WRITE_BYTES], offset)
+            view, offset = view[written:], offset + written
 
 
 class _Files:
@@ -266,23 +333,23 @@ def _save_gathered(model: Any, directory: str, entries: list[_Entry], group, ran
                 os.remove(os.path.join(directory, stale))
     for filename, names in split.filename_to_tensors.items():
         f = None
+        header = _header([(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"})
         if rank == 0 and files.error is None:
             try:
                 f = files.open(filename)
-                f.write(_header([(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"}))
+                f.write(header)
+                f.flush()
             except OSError as e:
                 files.error = f"{os.path.join(directory, filename)}: {e}"
+        start = len(header)
         for name in names:
             entry = by_name[name]
-            # the gather is collective: a rank that cannot write keeps gathering, so no rank hangs
-            needs_gather = isinstance(entry.tensor, DTensor)
-            full = _gather(entry) if needs_gather or (rank == 0 and f is not None) else None
-            if f is not None and files.error is None:
-                try:
-                    _write_tensor(f, full)
-                except OSError as e:
-                    files.error = f"{os.path.join(directory, filename)}: {e}"
-            del full
+            # every rank takes part in every tensor's exchange, even after a local failure, so none hangs
+            try:
+                _write_gathered(f.fileno() if f is not None and files.error is None else None, start, entry, group, rank)
+            except OSError as e:
+                files.error = f"{os.path.join(directory, filename)}: {e}"
+            start += entry.dtype.itemsize * int(torch.Size(entry.shape).numel())
         if f is not None:
             f.close()
     _finish(files, group, rank, lambda: _write_metadata(model, directory, split, entries))
@@ -348,11 +415,8 @@ def _local_part(entry: _Entry, rank: int) -> tuple[torch.Tensor | None, tuple[in
         return (t if rank == 0 else None), (0,) * ndim
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placement = t.placements[0]
-    if isinstance(placement, Shard) and type(placement) is not Shard:  # _StridedShard
-        t = t.redistribute(placements=[Shard(placement.dim)])
-        placement = t.placements[0]
-    if isinstance(placement, Replicate):
+    t = _as_shard(t)
+    if isinstance(t.placements[0], Replicate):
         return (t.to_local() if t.device_mesh.get_local_rank() == 0 else None), (0,) * ndim
     _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return t.to_local(), tuple(int(o) for o in offsets)

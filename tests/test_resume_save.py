@@ -249,14 +249,13 @@ def test_save_killed_halfway_leaves_no_index(tmp_path):
         import os, lowmem_hf, lowmem_hf.save as save
         model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained({str(tmp_path / 'src')!r})
         written = []
-        real = save._write_tensor
-        def dying(f, t):  # the process dies mid-save, after a few tensors
+        real = save._pwrite_runs
+        def dying(*args):  # the process dies mid-save, after a few tensors
             written.append(1)
             if len(written) == 6:
-                f.flush()
                 os._exit(3)
-            real(f, t)
-        save._write_tensor = dying
+            real(*args)
+        save._pwrite_runs = dying
         lowmem_hf.save_pretrained(model, {str(tmp_path / 'out')!r}, max_shard_size="100KB")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
