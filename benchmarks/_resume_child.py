@@ -3,8 +3,9 @@
     RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python benchmarks/_resume_child.py --mode lowmem --path DIR
 
 Modes (the measured step runs between the parent's "go" and our LOADED):
-  prep          load the Hub-format checkpoint with TP (fp32), write ``--out``/dcp (dcp.save of the TP state dict)
-                and ``--out``/sharded (transformers' save_pretrained(distributed_checkpoint=True)); not measured
+  prep          load the Hub-format checkpoint with TP (fp32), write ``--out``/dcp (dcp.save of the TP state dict),
+                ``--out``/sharded (transformers' save_pretrained(distributed_checkpoint=True)) and ``--out``/dcp-whole
+                (dcp.save of the whole model by one process); not measured
   lowmem        lowmem_hf from_pretrained(path, bf16, tp_plan="auto")
   dcp           the classic resume: the TP skeleton on meta (bf16), to_empty, dcp.load
   transformers  transformers from_pretrained(path, bf16, tp_plan="auto") (its distributed-checkpoint load)
@@ -61,6 +62,12 @@ def main() -> int:
         if rank == 0:
             model.config.save_pretrained(os.path.join(args.out, "dcp"))
         model.save_pretrained(os.path.join(args.out, "sharded"), distributed_checkpoint=True)
+        del model
+        if rank == 0:  # what one process (or a consolidating job) writes: every tensor stored whole
+            whole = transformers.AutoModelForCausalLM.from_pretrained(args.path, dtype=torch.float32)
+            dcp.save(whole.state_dict(), checkpoint_id=os.path.join(args.out, "dcp-whole"), no_dist=True)
+            whole.config.save_pretrained(os.path.join(args.out, "dcp-whole"))
+            del whole
         dist.barrier()
         say("READY")
         wait_for_parent("go")

@@ -2,8 +2,9 @@
 
     flock /tmp/lowmem-bench.lock python benchmarks/bench_resume.py --size-gb 2.0 --repeats 1 --workdir /tmp/lowmem-resume
 
-Checkpoints (written once into the workdir by a 2-rank TP run, fp32): ``dcp`` = ``dcp.save(model.state_dict())``
-(``.metadata`` + ``*.distcp``); ``sharded`` = transformers' ``save_pretrained(distributed_checkpoint=True)``.
+Checkpoints (written once into the workdir, fp32): ``dcp-whole`` = ``dcp.save(model.state_dict())`` by one process
+(every tensor one stored chunk); ``dcp`` = the same by the 2-rank TP run (``.metadata`` + ``*.distcp``, chunks
+matching the ranks' slices); ``sharded`` = transformers' ``save_pretrained(distributed_checkpoint=True)``.
 
 Per rank, as multiples of the rank's local bf16 bytes, above the post-import baseline (measure.py samples
 ``/proc`` from the parent): peak RssAnon and VmHWM (target <= 1.05x); bytes read by read syscalls (rchar) /
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     hub = make_llama_checkpoint(workdir, args.size_gb, torch.float32)
     resume = workdir / f"resume-{args.size_gb}-tp{args.ranks}"
-    marker = resume / "complete"
+    marker = resume / "complete-v2"
     if not marker.exists():
         shutil.rmtree(resume, ignore_errors=True)
         resume.mkdir(parents=True)
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
         marker.write_text("1")
     print(f"[bench_resume] {args.ranks} ranks, {hub} -> {resume}, sampler {boost_sampler_priority()}")
 
-    loads = [("lowmem", "dcp"), ("dcp", "dcp"), ("lowmem", "sharded"), ("transformers", "sharded")]
+    loads = [("lowmem", "dcp-whole"), ("dcp", "dcp-whole"), ("lowmem", "dcp"), ("dcp", "dcp"), ("lowmem", "sharded"),
+             ("transformers", "sharded")]
     runs = []
     for rep in range(args.repeats):
         for mode, kind in loads:
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
             for r in run_ranks(mode, resume / kind, args.ranks, logdir, f"{mode}-{kind}-{rep}"):
                 r.update(loader=f"{mode} <- {kind}")
                 runs.append(r)
-                print(f"  [{r['loader']:22s} #{rep} rank {r['rank']}] {r['seconds']:.2f}s  RssAnon +{r['rss_anon_ratio']:.3f}x  "
+                print(f"  [{r['loader']:24s} #{rep} rank {r['rank']}] {r['seconds']:.2f}s  RssAnon +{r['rss_anon_ratio']:.3f}x  "
                       f"VmHWM +{r['vmhwm_ratio']:.3f}x  rchar/local {r['read_ratio']:.3f}  local {r['local_bytes'] / 1e6:.0f} MB")
         for mode in ("save", "save_sharded"):
             out = workdir / f"saved-{mode}"
@@ -109,24 +111,24 @@ def main(argv=None) -> int:
             for r in run_ranks(mode, hub, args.ranks, logdir, f"{mode}-{rep}", out=out):
                 r.update(loader=mode)
                 runs.append(r)
-                print(f"  [{mode:22s} #{rep} rank {r['rank']}] {r['seconds']:.2f}s  peak (local + above baseline) / "
+                print(f"  [{mode:24s} #{rep} rank {r['rank']}] {r['seconds']:.2f}s  peak (local + above baseline) / "
                       f"(local + largest full tensor) {r['save_ratio']:.3f}  above baseline / largest {r['save_above_largest']:.2f}")
 
     med = statistics.median
     print("\nSummary (medians over repeats; memory above the post-import baseline / the rank's local bf16 bytes;"
           " read = rchar / local bytes at the stored fp32)")
-    print("  loader                  rank  seconds  RssAnon  VmHWM   read   target: <=1.05, <=1.05, <=1.02")
+    print("  loader                    rank  seconds  RssAnon  VmHWM   read   target: <=1.05, <=1.05, <=1.02")
     for mode, kind in loads:
         for rank in range(args.ranks):
             rs = [r for r in runs if r["loader"] == f"{mode} <- {kind}" and r["rank"] == rank]
-            print(f"  {mode + ' <- ' + kind:22s}  {rank:4d}  {med([r['seconds'] for r in rs]):7.2f}  "
+            print(f"  {mode + ' <- ' + kind:24s}  {rank:4d}  {med([r['seconds'] for r in rs]):7.2f}  "
                   f"{med([r['rss_anon_ratio'] for r in rs]):7.3f}  {med([r['vmhwm_ratio'] for r in rs]):6.3f}  "
                   f"{med([r['read_ratio'] for r in rs]):5.3f}")
-    print("  save                    rank  seconds  peak / (local + largest full tensor)   target <= 1.05")
+    print("  save                      rank  seconds  peak / (local + largest full tensor)   target <= 1.05")
     for mode in ("save", "save_sharded"):
         for rank in range(args.ranks):
             rs = [r for r in runs if r["loader"] == mode and r["rank"] == rank]
-            print(f"  {mode:22s}  {rank:4d}  {med([r['seconds'] for r in rs]):7.2f}  {med([r['save_ratio'] for r in rs]):.3f} "
+            print(f"  {mode:24s}  {rank:4d}  {med([r['seconds'] for r in rs]):7.2f}  {med([r['save_ratio'] for r in rs]):.3f} "
                   f"(above baseline = {med([r['save_above_largest'] for r in rs]):.2f}x the largest full tensor)")
     out = workdir / "results-resume-latest.json"
     out.write_text(json.dumps([{k: v for k, v in r.items() if k != "result"} for r in runs], indent=1, default=str))

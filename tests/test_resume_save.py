@@ -117,7 +117,23 @@ def _worker(rank: int, world: int, port: int, paths: dict, root: str) -> None:
                 back = transformers.AutoModelForCausalLM.from_pretrained(out("lowmem-sharded"), tp_plan="auto")
                 _assert_same_model(back, ours, "transformers loads lowmem sharded")
 
-                # 5. a directory no rank can write fails on every rank before anything is written
+                # 5. an FSDP2 run's dcp.save (dim-0 chunks of every tensor, including norms) -> lowmem at tp 2 and 1
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+
+                fsdp = transformers.AutoModelForCausalLM.from_pretrained(path)
+                mesh = init_device_mesh("cpu", (world,))
+                for layer in fsdp.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(fsdp, mesh=mesh)
+                dcp.save(fsdp.state_dict(), checkpoint_id=out("fsdp"))
+                if rank == 0:
+                    fsdp.config.save_pretrained(out("fsdp"))
+                dist.barrier()
+                _assert_same_model(load(out("fsdp"), tp_plan="auto"), ours, "fsdp2 dcp tp2")
+                _assert_same_model(load(out("fsdp")), single, "fsdp2 dcp tp1")
+
+                # 6. a directory no rank can write fails on every rank before anything is written
                 blocked = os.path.join(root, "a-file")
                 open(blocked, "w").close()
                 with pytest.raises(OSError, match="a-file"):
