@@ -80,10 +80,11 @@ def save_pretrained(
         distributed_checkpoint: write each rank's local shards (no gather), transformers' sharded format.
 
     Raises:
-        OSError: ``save_directory`` cannot be written (raised on every rank before anything is written).
+        OSError: ``save_directory`` cannot be written (raised on every rank before anything is written), or a
+            rank failed while writing (every rank raises, naming the rank and file; the partial files are removed).
         ValueError: a model loaded with ``tp_rank``/``tp_size`` and no process group (its parameters are slices,
             which cannot be saved as full tensors), or a placement that cannot be saved.
-        RuntimeError: a rank failed while writing (every rank raises; the partial files are removed).
+        NotImplementedError: a 2-D (or larger) device mesh, or load-time key conversions that change names.
 
     Example:
         >>> lowmem_hf.save_pretrained(model, "out", dtype=torch.bfloat16)   # all TP ranks call it
@@ -230,7 +231,7 @@ def _as_shard(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _pieces(entry: _Entry, rank: int, world: int, group) -> list[tuple[int, int, int]] | None:
+def _pieces(entry: _Entry, world: int) -> list[tuple[int, int, int]] | None:
     """For a ``Shard(d)`` DTensor: every rank's ``(dim, offset, size)`` along ``d`` (torch.chunk's split), else None."""
     placement = entry.tensor.placements[0] if isinstance(entry.tensor, DTensor) else None
     if not isinstance(placement, Shard):
@@ -256,7 +257,7 @@ def _write_gathered(fd: int | None, start: int, entry: _Entry, group, rank: int)
     t = _as_shard(t)
     local = t.to_local().to(entry.dtype).contiguous()
     world = t.device_mesh.size()
-    pieces = _pieces(_Entry(entry.name, t, entry.dtype), rank, world, group)
+    pieces = _pieces(_Entry(entry.name, t, entry.dtype), world)
     if pieces is None:  # replicated: rank 0's copy is the tensor
         if rank == 0:
             _pwrite_runs(fd, start, local, [(0, 0, local.numel())], entry)
