@@ -12,6 +12,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteLoadError,
     LowMemError,
+    MissingKeyError,
     MissingShardError,
     ShapeMismatchError,
     UnsupportedArgumentError,
@@ -20,6 +21,7 @@ from .errors import (
 from .load import PreparedLoad, execute, prepare
 from .patch import is_patched, patch_transformers, unpatch_transformers
 from .request import LoadRequest, make_request
+from .save import save_pretrained
 from .types import DtypeDecision, LoadReport
 
 globals().update(AUTO_CLASSES)
@@ -42,12 +44,14 @@ __all__ = [
     "patch_transformers",
     "unpatch_transformers",
     "is_patched",
+    "save_pretrained",
     "LoadReport",
     "DtypeDecision",
     "LowMemError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "MissingShardError",
+    "MissingKeyError",
     "ShapeMismatchError",
     "UnsupportedConversionError",
     "UnsupportedArgumentError",

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "MissingShardError",
+    "MissingKeyError",
     "ShapeMismatchError",
     "UnsupportedConversionError",
     "IncompleteLoadError",
@@ -33,6 +34,10 @@ class CorruptCheckpointError(LowMemError, OSError):
 
 class MissingShardError(CheckpointNotFoundError):
     """An index names a shard file that is not there."""
+
+
+class MissingKeyError(CorruptCheckpointError):
+    """A sharded training checkpoint lacks a tensor the model needs (resuming must not silently re-initialize)."""
 
 
 class ShapeMismatchError(LowMemError, RuntimeError):

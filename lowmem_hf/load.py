@@ -27,6 +27,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_mode
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
+from . import dcp as _dcp
 from .errors import CheckpointNotFoundError, UnsupportedArgumentError
 from .fetch import HttpRanges, fetch_files
 from .hub import pin_revision, resolve_hub
@@ -112,6 +113,8 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
+    if checkpoint.format == CheckpointFormat.DCP:
+        _dcp.check_complete(model, plan, checkpoint)
     return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started)
 
 
@@ -131,6 +134,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
     elif checkpoint.repo_id is not None:
         paths = fetch_files(checkpoint, plan.files, hub, tqdm_class=request.tqdm_class)
+    elif checkpoint.format == CheckpointFormat.DCP:
+        source = checkpoint.layout
 
     # 5. stream submodule by submodule, assigning each before reading the next
     loading_info = LoadStateDictInfo(
@@ -216,6 +221,8 @@ def _resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Chec
         explicit_filename=getattr(config, "transformers_weights", None),
         weights_only=request.weights_only,
     )
+    if not is_hub and (request.checkpoint_format == "dcp" or _dcp.is_dcp_dir(os.path.join(request.name_or_path, request.hub.subfolder))):
+        return _dcp.resolve_dcp(request.name_or_path, subfolder=request.hub.subfolder)
     if is_hub:
         return resolve_hub(request.name_or_path, commit=request.hub.revision, hub=request.hub.as_kwargs(), **selection)
     return resolve_local(request.name_or_path, subfolder=request.hub.subfolder, **selection)
@@ -225,7 +232,7 @@ def _decide_dtype(request: LoadRequest, config: Any, checkpoint: Checkpoint) -> 
     """transformers' own ``_get_dtype``: the declared dtype (``"auto"``: config, else the first file's tensors)."""
     sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
     local_files = [checkpoint.local_paths.get(f, f) for f in checkpoint.files]
-    if all(os.path.isfile(f) for f in local_files):
+    if checkpoint.format != CheckpointFormat.DCP and all(os.path.isfile(f) for f in local_files):
         return _get_dtype(request.dtype, local_files, config, sharded_metadata, None, request.weights_only)
     # transformers infers "auto" from the first file's tensors; the remote headers already say what they are
     first = [i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0]]

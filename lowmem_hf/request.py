@@ -126,6 +126,8 @@ class LoadRequest:
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
     tqdm_class: Any = None
     """A tqdm-compatible class for the progress bar (transformers' argument); ``None`` for tqdm's."""
+    checkpoint_format: str | None = None
+    """``"dcp"``: a sharded training checkpoint (torch.distributed.checkpoint); ``None``: detected from the files."""
 
     def with_revision(self, commit: str) -> "LoadRequest":
         """The same request pinned to one commit."""
@@ -199,6 +201,7 @@ def make_request(
     tp_rank: int | None = None,
     device_mesh: Any = None,
     tqdm_class: Any = None,
+    checkpoint_format: str | None = None,
     **config_overrides: Any,
 ) -> LoadRequest:
     """Validate ``from_pretrained``'s arguments into a ``LoadRequest`` (see ``LowMemAutoModelBase.from_pretrained``).
@@ -226,6 +229,11 @@ def make_request(
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if checkpoint_format not in (None, "dcp"):
+        raise ValueError(
+            f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
+            "checkpoint (torch.distributed.checkpoint), or leave it None to detect the format from the files."
+        )
     return LoadRequest(
         target=target,
         name_or_path=os.fspath(pretrained_model_name_or_path),
@@ -260,4 +268,5 @@ def make_request(
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,
+        checkpoint_format=checkpoint_format,
     )

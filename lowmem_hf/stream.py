@@ -284,6 +284,10 @@ class TorchReader:
 
 
 def _reader(fmt: str, counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, paths, source):
+    if fmt == CheckpointFormat.DCP:  # sharded training checkpoints: ``source`` is the checkpoint's layout
+        from .dcp import DcpReader
+
+        return DcpReader(source, chunk_bytes, stats)
     if fmt == CheckpointFormat.SAFETENSORS:
         return SafetensorsReader(counts, chunk_bytes, stats, source if source is not None else LocalFiles(paths))
     return TorchReader(counts, chunk_bytes, weights_only, stats, paths)

@@ -32,6 +32,7 @@ class CheckpointFormat:
     SAFETENSORS = "safetensors"
     TORCH_ZIP = "torch_zip"  # torch.save since 1.6: a zip archive, one record per storage
     TORCH_LEGACY = "torch_legacy"  # the pre-1.6 pickle stream: no random access at all
+    DCP = "dcp"  # torch.distributed.checkpoint: `.metadata` + `*.distcp`, or transformers' `shard-*` safetensors
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Checkpoint:
     """Hub loads: ``TensorInfo.file`` (a repo path) -> the remote file. Empty for local folders."""
     local_paths: Mapping[str, str] = field(default_factory=dict)
     """Hub loads: repo path -> file already in the HF cache (read locally, never fetched again)."""
+    layout: Any = None
+    """Sharded training checkpoints (``CheckpointFormat.DCP``): where each stored chunk of every tensor is
+    (a ``dcp.DcpLayout``); ``None`` for the Hub layout."""
 
 
 @dataclass(frozen=True)

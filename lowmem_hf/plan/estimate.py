@@ -90,7 +90,7 @@ def _staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, chunk_bytes: int, 
     # each worker thread's buffer grows to the largest chunk it stages: at most chunk_bytes, at most one tensor
     largest = max((math.prod(r.local_shape) * r.source.dtype.itemsize for r in (converted or plan.reads)), default=0)
     per_worker = min(chunk_bytes, largest)
-    if checkpoint.format == CheckpointFormat.SAFETENSORS:
+    if checkpoint.format in (CheckpointFormat.SAFETENSORS, CheckpointFormat.DCP):
         chunks = workers * per_worker if converted else 0  # same dtype lands in place
     elif checkpoint.format == CheckpointFormat.TORCH_ZIP:
         chunks = workers * per_worker  # mapped pages of the chunks being copied

@@ -1,0 +1,538 @@
+"""Sharded training checkpoints (torch.distributed.checkpoint): resolve their layout, read each rank's part.
+
+Two on-disk formats, both written by DCP:
+
+- ``dcp.save(model.state_dict(), checkpoint_id=dir)``: ``.metadata`` (DCP's pickled ``Metadata``) plus
+  ``__<rank>_<n>.distcp`` files. Each stored chunk is one ``torch.save`` zip archive at ``_StorageInfo.offset``;
+  the tensor's bytes are one uncompressed record inside it.
+- transformers' ``save_pretrained(..., distributed_checkpoint=True)`` (and ``lowmem_hf.save_pretrained``'s):
+  ``shard-<r>-model-<i>-of-<n>.safetensors`` written by DCP's ``HuggingFaceStorageWriter``; each file holds
+  one rank's local chunks, their global offsets in the ``DCP_SHARDING_INFO`` header metadata.
+
+What is DCP's: the metadata (``FileSystemReader.read_metadata``, ``HuggingFaceStorageReader.read_metadata``:
+global shapes, dtypes, every chunk's offsets and sizes, which file and byte range holds it). What is ours:
+reading only the part of a chunk that overlaps this rank's slice. DCP's ``FileSystemReader.read_data``
+``torch.load``s every stored chunk whole before narrowing it, so every TP rank reads (and holds) whole
+chunks; the safetensors reader maps whole files. Here each rank ``preadv``s only the byte runs of the
+overlap, straight into its destination, through the same staging as the Hub-format readers.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import itertools
+import math
+import os
+import pickle
+import re
+import sys
+import threading
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from .types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
+
+__all__ = [
+    "StoredChunk",
+    "DcpLayout",
+    "is_dcp_dir",
+    "resolve_dcp",
+    "check_complete",
+    "overlap",
+    "box_runs",
+    "split_runs",
+    "DcpReader",
+]
+
+DCP_METADATA = ".metadata"
+DISTCP_SUFFIX = ".distcp"
+# transformers' `is_sharded_checkpoint` pattern (transformers/distributed/checkpoint.py)
+HF_SHARD_PATTERN = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
+_MAX_IOV = 1024  # IOV_MAX on Linux
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One stored piece of a tensor: the box ``[offsets, offsets + sizes)`` of the global tensor, row-major."""
+
+    file: str
+    """Absolute path of the file that holds it."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    byte_offset: int
+    """safetensors: the first data byte. ``.distcp``: where the chunk's ``torch.save`` archive starts."""
+    byte_length: int
+    """Bytes of the data (safetensors) or of the whole archive (``.distcp``)."""
+    raw: bool
+    """``True``: raw row-major bytes at ``byte_offset``. ``False``: a ``torch.save`` archive to look inside."""
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """Every stored chunk of every tensor of a sharded checkpoint (from DCP's metadata, no tensor byte read)."""
+
+    kind: str
+    """``"distcp"`` (``dcp.save`` with DCP's file writer) or ``"hf_sharded"`` (``shard-*`` safetensors)."""
+    chunks: Mapping[str, tuple[StoredChunk, ...]]
+    """Checkpoint key -> its stored chunks (one for a tensor saved whole, one per writing rank when sharded)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resolve
+# ---------------------------------------------------------------------------------------------------------
+def is_dcp_dir(directory: str) -> bool:
+    """Whether ``directory`` holds a sharded training checkpoint: ``.metadata`` + ``*.distcp``, or transformers'
+    ``shard-*-model-*-of-*.safetensors`` (and no Hub-layout weights, which would take precedence)."""
+    if not os.path.isdir(directory):
+        return False
+    names = os.listdir(directory)
+    if DCP_METADATA in names and any(n.endswith(DISTCP_SUFFIX) for n in names):
+        return True
+    hub_layout = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"}
+    return any(HF_SHARD_PATTERN.match(n) for n in names) and not hub_layout.intersection(names)
+
+
+def resolve_dcp(name_or_path: str, *, subfolder: str = "") -> Checkpoint:
+    """Read a sharded training checkpoint's metadata into a ``Checkpoint`` (global shapes, chunks; no tensor byte).
+
+    Raises:
+        CheckpointNotFoundError: neither format's files are there.
+        CorruptCheckpointError: a chunk that lies past the end of its file (a truncated ``.distcp`` or shard).
+    """
+    directory = os.path.abspath(os.path.join(str(name_or_path), subfolder))
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if DCP_METADATA in names:
+        layout, infos, header_bytes = _resolve_distcp(directory)
+    elif any(HF_SHARD_PATTERN.match(n) for n in names):
+        layout, infos, header_bytes = _resolve_hf_sharded(directory, [n for n in names if HF_SHARD_PATTERN.match(n)])
+    else:
+        raise CheckpointNotFoundError(
+            f"{directory} is not a sharded training checkpoint: expected {DCP_METADATA} plus *{DISTCP_SUFFIX} files "
+            "(torch.distributed.checkpoint.save) or shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files "
+            "(save_pretrained(..., distributed_checkpoint=True)). Check the path, or drop checkpoint_format='dcp'."
+        )
+    files = sorted({c.file for chunks in layout.chunks.values() for c in chunks})
+    return Checkpoint(
+        name_or_path=str(name_or_path),
+        format=CheckpointFormat.DCP,
+        files=tuple(files),
+        tensors=infos,
+        index_metadata=None,
+        header_bytes=header_bytes,
+        layout=layout,
+    )
+
+
+def _tensor_info(key: str, chunks: tuple[StoredChunk, ...], dtype: torch.dtype, shape: tuple[int, ...]) -> TensorInfo:
+    # The planner orders reads by file; a tensor spread over several files is filed under its first chunk's.
+    return TensorInfo(key=key, file=min(c.file for c in chunks), dtype=dtype, shape=shape, offset=None)
+
+
+def _resolve_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    metadata_path = os.path.join(directory, DCP_METADATA)
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as e:  # pickle raises a zoo of types on a damaged file
+        raise CorruptCheckpointError(
+            f"{metadata_path}: torch.distributed.checkpoint could not read it ({type(e).__name__}: {e}). "
+            "The checkpoint is incomplete or corrupt: save it again."
+        ) from e
+    sizes: dict[str, int] = {}
+    chunks: dict[str, tuple[StoredChunk, ...]] = {}
+    infos: dict[str, TensorInfo] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue  # non-tensor state (bytes) has no place in a model
+        stored = []
+        for chunk in entry.chunks:
+            storage = metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            path = os.path.join(directory, storage.relative_path)
+            if storage.transform_descriptors:
+                raise NotImplementedError(
+                    f"{path}: {key!r} is stored through DCP stream transforms {list(storage.transform_descriptors)} "
+                    "(e.g. compression), which lowmem_hf cannot read by byte range; save without extensions."
+                )
+            if path not in sizes:
+                sizes[path] = os.path.getsize(path) if os.path.isfile(path) else -1
+            if storage.offset + storage.length > sizes[path]:
+                found = "is missing" if sizes[path] < 0 else f"has {sizes[path]} bytes"
+                raise CorruptCheckpointError(
+                    f"{path}: {key!r} (chunk at {list(chunk.offsets)}) is stored in bytes "
+                    f"[{storage.offset}, {storage.offset + storage.length}) but the file {found}. "
+                    "The file is truncated: copy it again or re-save the checkpoint."
+                )
+            stored.append(StoredChunk(
+                file=path, offsets=tuple(chunk.offsets), sizes=tuple(chunk.sizes), dtype=entry.properties.dtype,
+                byte_offset=storage.offset, byte_length=storage.length, raw=False,
+            ))
+        chunks[key] = tuple(stored)
+        infos[key] = _tensor_info(key, chunks[key], entry.properties.dtype, tuple(entry.size))
+    return DcpLayout("distcp", chunks), infos, os.path.getsize(metadata_path)
+
+
+def _resolve_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from .resolve import read_safetensors_header
+
+    # Our own header parse first: it checks every tensor lies inside its file (naming a truncated shard) and
+    # knows the byte offsets, which DCP's reader keeps to itself (it reads through safe_open's mapping).
+    offsets: dict[tuple[str, str], TensorInfo] = {}
+    header_bytes = 0
+    for name in names:
+        path = os.path.join(directory, name)
+        infos, nbytes = read_safetensors_header(path)
+        header_bytes += nbytes
+        for key, info in infos.items():
+            offsets[(path, key)] = info
+    metadata = HuggingFaceStorageReader(directory).read_metadata()
+    chunks: dict[str, list[StoredChunk]] = {}
+    for index, storage in metadata.storage_data.items():
+        path = os.path.abspath(storage.relative_path)
+        info = offsets[(path, index.fqn)]
+        chunks.setdefault(index.fqn, []).append(StoredChunk(
+            file=path, offsets=tuple(index.offset), sizes=tuple(storage.shape), dtype=storage.dtype,
+            byte_offset=info.offset, byte_length=info.nbytes, raw=True,
+        ))
+    layout = DcpLayout("hf_sharded", {k: tuple(sorted(v, key=lambda c: c.offsets)) for k, v in chunks.items()})
+    infos = {
+        key: _tensor_info(key, layout.chunks[key], entry.properties.dtype, tuple(entry.size))
+        for key, entry in metadata.state_dict_metadata.items()
+    }
+    return layout, infos, header_bytes
+
+
+def check_complete(model: Any, plan: LoadPlan, checkpoint: Checkpoint) -> None:
+    """A resumed model must come entirely from its checkpoint: a missing key is an error, not a fresh init.
+
+    Tied targets (``lm_head.weight`` tied to the embeddings) are exempt: they are the same tensor as their source.
+
+    Raises:
+        MissingKeyError: naming the keys the checkpoint lacks.
+    """
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = sorted(k for k in plan.missing_keys if k not in tied)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise MissingKeyError(
+            f"{checkpoint.name_or_path} lacks {len(missing)} tensor(s) {type(model).__name__} needs: {shown}. "
+            f"The checkpoint stores {len(checkpoint.tensors)} tensors; was it saved from this model "
+            "(model.state_dict()) and completely? Re-save it, or pass the config it was saved with."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Overlap arithmetic (pure)
+# ---------------------------------------------------------------------------------------------------------
+def wanted_box(shape: tuple[int, ...], shard: ShardSpec | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(start, stop)`` of this rank's part of a global tensor: all of it, or ``shard``'s slice."""
+    start, stop = [0] * len(shape), list(shape)
+    if shard is not None:
+        start[shard.dim], stop[shard.dim] = shard.start, shard.stop
+    return tuple(start), tuple(stop)
+
+
+def overlap(
+    chunk_offsets: tuple[int, ...], chunk_sizes: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection ``(lo, hi)`` (global coordinates) of a stored chunk with the box ``[start, stop)``, or None."""
+    lo = tuple(max(o, s) for o, s in zip(chunk_offsets, start))
+    hi = tuple(min(o + n, e) for o, n, e in zip(chunk_offsets, chunk_sizes, stop))
+    if any(h <= l for l, h in zip(lo, hi)) and len(lo):
+        return None
+    return lo, hi
+
+
+def box_runs(
+    src_shape: tuple[int, ...], src_start: tuple[int, ...], dst_shape: tuple[int, ...], dst_start: tuple[int, ...],
+    size: tuple[int, ...],
+) -> list[tuple[int, int, int]]:
+    """Copy a box of ``size`` from ``src_start`` in a row-major ``src_shape`` tensor to ``dst_start`` in ``dst_shape``:
+    the contiguous ``(src_element, dst_element, n)`` runs, in source order.
+
+    Trailing dimensions the box covers fully in both tensors merge into one run, so a whole chunk read into a
+    whole destination is a single run, and a dim-0 slice of a dim-0 chunk too.
+    """
+    nd = len(size)
+    if nd == 0:
+        return [(0, 0, 1)]
+    if any(n == 0 for n in size):
+        return []
+    src_strides = [math.prod(src_shape[d + 1 :]) for d in range(nd)]
+    dst_strides = [math.prod(dst_shape[d + 1 :]) for d in range(nd)]
+    # merge trailing dims: dim d joins the run if every dim after it is covered whole in src and dst
+    first = nd - 1
+    while first > 0 and size[first] == src_shape[first] == dst_shape[first]:
+        first -= 1
+    run = size[first] * src_strides[first]
+    src0 = sum(s * st for s, st in zip(src_start, src_strides))
+    dst0 = sum(s * st for s, st in zip(dst_start, dst_strides))
+    runs = []
+    for index in itertools.product(*(range(n) for n in size[:first])):
+        s = src0 + sum(i * st for i, st in zip(index, src_strides))
+        d = dst0 + sum(i * st for i, st in zip(index, dst_strides))
+        runs.append((s, d, run))
+    return runs
+
+
+def split_runs(runs: list[tuple[int, int, int]], itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Group ``(src, dst, n)`` runs into jobs of at most ``chunk_bytes`` (long runs split; at least one element)."""
+    limit = max(1, chunk_bytes // itemsize)
+    jobs: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    used = 0
+    for src, dst, n in runs:
+        while n:
+            take = min(n, limit - used)
+            current.append((src, dst, take))
+            src, dst, n, used = src + take, dst + take, n - take, used + take
+            if used == limit:
+                jobs.append(current)
+                current, used = [], 0
+    if current:
+        jobs.append(current)
+    return jobs
+
+
+def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Runs of a job whose source bytes follow each other: one ``preadv`` each (up to ``_MAX_IOV`` buffers)."""
+    spans: list[list[tuple[int, int, int]]] = []
+    for run in job:
+        if spans and len(spans[-1]) < _MAX_IOV and spans[-1][-1][0] + spans[-1][-1][2] == run[0]:
+            spans[-1].append(run)
+        else:
+            spans.append([run])
+    return spans
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Read
+# ---------------------------------------------------------------------------------------------------------
+class _FileView(io.RawIOBase):
+    """A read-only window ``[offset, offset + length)`` of a file, by ``pread``: what ``torch.load`` and the zip
+    reader need to look inside one ``.distcp`` item without reading its neighbours (DCP's own view cannot
+    ``read()`` to the end, which ``zipfile`` needs)."""
+
+    def __init__(self, fd: int, offset: int, length: int, counter: Callable[[int], None]):
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos, self._count = fd, offset, length, 0, counter
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        data = os.pread(self._fd, n, self._offset + self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        self._count(len(data))
+        return len(data)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads the ``data.pkl`` of a one-tensor ``torch.save`` archive into ``{key, offset, size, stride}``.
+
+    Only the names such a pickle uses are allowed (anything else raises, as ``weights_only`` would); it reads
+    the few hundred bytes of the pickle, where ``torch.load(map_location="meta")`` reads several KiB per item.
+    """
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: {"key": storage, "offset": offset, "size": size, "stride": stride}
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a one-tensor torch.save pickle")
+
+    def persistent_load(self, pid):
+        return pid[2]  # ('storage', storage type, key, location, numel)
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where a chunk's raw row-major bytes start, or the whole tensor when they are not raw."""
+
+    data_offset: int | None
+    whole: torch.Tensor | None = None
+
+
+class DcpReader:
+    """The stream contract (``jobs``/``done``/``close``) over a ``DcpLayout``: reads only the overlap of each
+    stored chunk with this rank's slice, in byte runs."""
+
+    def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: Any):
+        from .stream import _Staging
+
+        self._layout = layout
+        self._chunk_bytes = chunk_bytes
+        self._stats = stats
+        self._staging = _Staging(stats)
+        self._fds: dict[str, int] = {}
+        self._located: dict[StoredChunk, _Located] = {}
+        self._lock = threading.Lock()
+        self._extra = 0  # archive headers read to locate .distcp tensors
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                self._stats.opened(path)
+            return fd
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self._extra += n
+
+    def _locate(self, chunk: StoredChunk) -> _Located:
+        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed record. Read the
+        archive's directory, its pickle and the record's local header (about 1 KiB) to find where they start; a
+        tensor stored with other strides or byte order is loaded whole instead (the minimal unit then)."""
+        if chunk.raw:
+            return _Located(chunk.byte_offset)
+        found = self._located.get(chunk)
+        if found is not None:
+            return found
+        fd = self._fd(chunk.file)
+        try:
+            view = _FileView(fd, chunk.byte_offset, chunk.byte_length, self._count)
+            archive = zipfile.ZipFile(view)
+            entries = {i.filename.partition("/")[2]: i for i in archive.infolist()}
+            tensor = _TensorPickle(io.BytesIO(archive.read(entries["data.pkl"]))).load()
+            record = entries.get(f"data/{tensor['key']}")
+            little = "byteorder" not in entries or archive.read(entries["byteorder"]) == b"little"
+            if record is None or record.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"no uncompressed record data/{tensor['key']}")
+            # the data starts after the record's local header (30 bytes + name + the alignment padding torch adds)
+            view.seek(record.header_offset)
+            local = view.read(30)
+            data_offset = record.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        except Exception as e:  # the zip reader and unpickler raise many types on damaged bytes
+            raise CorruptCheckpointError(
+                f"{chunk.file}: the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}) "
+                f"is not a readable torch.save archive of one tensor ({type(e).__name__}: {e}). The file is corrupt: save it again."
+            ) from e
+        if tuple(tensor["size"]) != chunk.sizes:
+            raise CorruptCheckpointError(
+                f"{chunk.file}: the item at byte {chunk.byte_offset} holds a tensor of shape {list(tensor['size'])}, "
+                f"the checkpoint metadata says {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
+            )
+        row_major = tuple(tensor["stride"]) == tuple(math.prod(chunk.sizes[d + 1 :]) for d in range(len(chunk.sizes)))
+        if row_major and tensor["offset"] == 0 and little == (sys.byteorder == "little"):
+            located = _Located(chunk.byte_offset + data_offset)
+        else:
+            whole = torch.load(_FileView(fd, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True)
+            self._stats.staged(whole.nbytes)
+            self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
+            located = _Located(None, whole.contiguous())
+        with self._lock:
+            self._located[chunk] = located
+        return located
+
+    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
+        """Chunk reads that together fill ``dst`` with this rank's part of ``info``'s tensor, from every stored
+        chunk that overlaps it. Safe to run on several threads at once."""
+        start, stop = wanted_box(info.shape, shard)
+        local = tuple(b - a for a, b in zip(start, stop))
+        jobs: list[Callable[[], None]] = []
+        covered = 0
+        for chunk in self._layout.chunks[info.key]:
+            box = overlap(chunk.offsets, chunk.sizes, start, stop)
+            if box is None:
+                continue
+            lo, hi = box
+            size = tuple(h - l for l, h in zip(lo, hi))
+            covered += math.prod(size)
+            runs = box_runs(
+                chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
+            )
+            jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
+        if covered != math.prod(local):
+            raise CorruptCheckpointError(
+                f"{info.key}: the stored chunks cover {covered} of the {math.prod(local)} elements this rank needs "
+                f"(global shape {list(info.shape)}, chunks {[list(c.offsets) for c in self._layout.chunks[info.key]]}). "
+                "The checkpoint is incomplete: save it again."
+            )
+        return jobs
+
+    def _read(self, chunk: StoredChunk, dst: torch.Tensor, job: list[tuple[int, int, int]]) -> None:
+        from .stream import _byte_view
+
+        located = self._locate(chunk)
+        flat = dst.view(-1)
+        if located.whole is not None:
+            source = located.whole.reshape(-1)
+            for src, at, n in job:
+                flat[at : at + n].copy_(source[src : src + n])
+            return
+        itemsize, fd = chunk.dtype.itemsize, self._fd(chunk.file)
+        direct = dst.device.type == "cpu" and dst.dtype == chunk.dtype and dst.is_contiguous()
+        for span in _spans(job):
+            offset = located.data_offset + span[0][0] * itemsize
+            total = sum(n for _, _, n in span) * itemsize
+            if direct:
+                view = _byte_view(dst)
+                _preadv_all(fd, [view[at * itemsize : (at + n) * itemsize] for _, at, n in span], offset, total, chunk.file)
+                continue
+            buf = self._staging.get(total, pinned=dst.device.type == "cuda")
+            _preadv_all(fd, [_byte_view(buf)], offset, total, chunk.file)
+            values, pos = buf.view(chunk.dtype), 0
+            for _, at, n in span:
+                flat[at : at + n].copy_(values[pos : pos + n])
+                pos += n
+
+    def done(self, info: TensorInfo, nbytes: int) -> None:
+        self._stats.bytes_read += nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._located.clear()
+            self._stats.bytes_read += self._extra
+            self._extra = 0
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int, total: int, path: str) -> None:
+    """``preadv`` into ``views`` (scattered destinations of one contiguous source range) until all are full."""
+    done = os.preadv(fd, views, offset)
+    if done == total:
+        return
+    # a short read (signal, or a file cut while loading): finish view by view, and name the file if it ended
+    pos = 0
+    for view in views:
+        end = pos + len(view)
+        while done < end:
+            part = view[done - pos :]
+            n = os.preadv(fd, [part], offset + done)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{path}: expected {total} bytes at offset {offset}, the file ended after {done}. "
+                    "It was truncated while loading: copy it again."
+                )
+            done += n
+        pos = end
