@@ -33,7 +33,7 @@ from .errors import CorruptCheckpointError
 from .plan.sharding import chunk_runs, element_runs
 from .types import CheckpointFormat, ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo
 
-__all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
+__all__ = ["StreamStats", "stream", "chunk_spans", "slice_tensor", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 # Chunks of one submodule are read by this many threads: preadv and copy_ release the GIL, so reading one
@@ -65,6 +65,20 @@ def chunk_spans(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, 
     """Element ranges ``[start, stop)`` covering ``numel`` elements, each at most ``chunk_bytes`` bytes (min one element)."""
     step = max(1, chunk_bytes // itemsize)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def slice_tensor(t: torch.Tensor, shard: ShardSpec | None) -> torch.Tensor:
+    """``t``'s slice described by ``shard``: a view for one range per dim, a copy where a dim has several runs."""
+    if shard is None:
+        return t
+    if shard.intervals is None:
+        return t.narrow(shard.dim, shard.start, shard.stop - shard.start)
+    for dim, runs in enumerate(shard.intervals):
+        if runs == ((0, t.shape[dim]),):
+            continue
+        pieces = [t.narrow(dim, a, b - a) for a, b in runs]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim) if pieces else t.narrow(dim, 0, 0)
+    return t
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -247,7 +261,7 @@ class TorchReader:
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         full = self._load(info.file)[info.key]
-        src = full.narrow(shard.dim, shard.start, shard.stop - shard.start) if shard else full
+        src = slice_tensor(full, shard)
         if not (self._mmapped and src.is_contiguous()):
 
             def whole() -> None:
