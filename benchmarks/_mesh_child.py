@@ -26,6 +26,7 @@ def main() -> int:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--fsdp-size", type=int, default=1)
     parser.add_argument("--dp-replicate-size", type=int, default=1)
+    parser.add_argument("--warmup", help="a tiny checkpoint to load once before the baseline (see bench_mesh.py)")
     args = parser.parse_args()
 
     import torch
@@ -43,19 +44,29 @@ def main() -> int:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(transformers.AutoConfig.from_pretrained(args.path))]
     import torch.distributed._composable.fsdp  # noqa: F401
     torch.ones(8).sum()
+    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=args.fsdp_size, dp_replicate_size=args.dp_replicate_size)
+
+    def load(path):
+        if args.loader == "lowmem":
+            return lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+                path, torch_dtype=dtype, distributed_config=config, output_loading_info=True
+            )
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=config), None
+
+    if args.warmup:
+        # One tiny load with the same loader and mesh first: the code pages and allocator arenas a process
+        # touches the first time it runs DTensor/FSDP2 code are a once-per-process cost, not the model's.
+        import gc
+
+        warm = load(args.warmup)
+        del warm
+        gc.collect()
     dist.barrier()
     say("READY")
     wait_for_parent("go")
 
-    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=args.fsdp_size, dp_replicate_size=args.dp_replicate_size)
     before, start = rchar(), time.perf_counter()
-    if args.loader == "lowmem":
-        model, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
-            args.path, torch_dtype=dtype, distributed_config=config, output_loading_info=True
-        )
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, distributed_config=config)
-        report = None
+    model, report = load(args.path)
     seconds, read = time.perf_counter() - start, rchar() - before
     say("LOADED")
     wait_for_parent("go")

@@ -6,7 +6,10 @@ loaded as bf16, lowmem_hf vs transformers' ``from_pretrained(distributed_config=
 Every rank is a fresh process in one gloo group; the parent samples each rank's /proc status (measure.py)
 and prints per rank and as a node total: wall time, peak RssAnon and VmHWM above the post-import baseline
 as multiples of the rank's local model bytes, and bytes read by read syscalls (rchar) against what the rank
-must read (its shards at the stored dtype plus headers). Target: memory <= 1.05x per rank. transformers mmaps
+must read (its shards at the stored dtype plus headers). Target: memory <= 1.05x per rank.
+Before the baseline each child loads a tiny Llama once with the same loader and mesh (``--no-warmup`` skips it):
+the code pages and allocator arenas a process touches the first time it runs DTensor/FSDP2 code (~9 MB of
+RssFile here) are a once-per-process cost, not a multiple of the model. transformers mmaps
 the shards, so its rchar is not its I/O: its touched file pages show up in VmHWM instead.
 """
 
@@ -42,7 +45,19 @@ MESHES = {
 }
 
 
-def run_ranks(loader: str, path: Path, mesh: str, logdir: Path, rep: int) -> list[dict]:
+def make_warmup_checkpoint(workdir: Path) -> Path:
+    """A tiny Llama with the benchmark model's head counts (so every mesh divides it) for the children's warm-up load."""
+    import transformers
+
+    path = workdir / "llama-warmup-tiny"
+    if not (path / "config.json").exists():
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=4, tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def run_ranks(loader: str, path: Path, mesh: str, logdir: Path, rep: int, warmup: Path | None = None) -> list[dict]:
     sizes = MESHES[mesh]
     ranks = 1
     for v in sizes.values():
@@ -56,7 +71,8 @@ def run_ranks(loader: str, path: Path, mesh: str, logdir: Path, rep: int) -> lis
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         log = open(logdir / f"mesh-{mesh}-{loader}-{rep}-rank{rank}.stderr.log", "wb")
         logs.append(log)
-        procs.append(spawn_child([sys.executable, str(HERE / "_mesh_child.py"), "--loader", loader, "--path", str(path), *flags],
+        procs.append(spawn_child([sys.executable, str(HERE / "_mesh_child.py"), "--loader", loader, "--path", str(path), *flags,
+                                  *(["--warmup", str(warmup)] if warmup else [])],
                                  env=env, stderr=log))
     try:
         results = run_children(procs, start_together=True, timeout_s=600)
@@ -83,19 +99,21 @@ def main(argv=None) -> int:
     parser.add_argument("--meshes", nargs="+", choices=sorted(MESHES), default=list(MESHES))
     parser.add_argument("--loaders", nargs="+", choices=["lowmem", "transformers"], default=["lowmem", "transformers"])
     parser.add_argument("--workdir", default=str(HERE / "_work"))
+    parser.add_argument("--no-warmup", action="store_true", help="measure the first distributed load of each process")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     logdir = workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     path = make_llama_checkpoint(workdir, args.size_gb, torch.float32)
     prewarm_page_cache(path)
-    print(f"[bench_mesh] {path}, sampler {boost_sampler_priority()}")
+    warmup = None if args.no_warmup else make_warmup_checkpoint(workdir)
+    print(f"[bench_mesh] {path}, warm-up load {warmup}, sampler {boost_sampler_priority()}")
 
     runs = []
     for mesh in args.meshes:
         for rep in range(args.repeats):
             for loader in args.loaders:
-                for r in run_ranks(loader, path, mesh, logdir, rep):
+                for r in run_ranks(loader, path, mesh, logdir, rep, warmup):
                     runs.append(r)
                     print(f"  [{mesh} {loader:12s} #{rep} rank {r['rank']}] {r['load_seconds']:.2f}s  RssAnon +{r['rss_anon_ratio']:.3f}x  "
                           f"VmHWM +{r['vmhwm_ratio']:.3f}x  rchar {r['rchar'] / 1e6:.1f} MB  local {r['model_bytes'] / 1e6:.1f} MB", flush=True)

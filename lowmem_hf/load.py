@@ -34,7 +34,7 @@ from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpo
 from .plan.planner import decisions_of
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import StreamStats, stream
+from .stream import StreamStats, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -132,7 +132,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     stats = StreamStats()
     peak_anon = _proc_status_bytes("RssAnon")
     for _, tensors, staged in stream(
-        plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=request.chunk_bytes,
+        plan, checkpoint_format=checkpoint.format, device=request.device,
+        chunk_bytes=request.chunk_bytes if source is not None else staging_chunk_bytes(plan, request.chunk_bytes),
         weights_only=request.weights_only, stats=stats, paths=paths, source=source,
     ):
         _assign.assign_submodule(model, tensors, staged, loading_info)
