@@ -20,7 +20,6 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 from transformers.distributed import DistributedConfig
 
@@ -219,11 +218,15 @@ def _runs(ix: Any) -> tuple[tuple[int, int], ...]:
 def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | None = None) -> dict[str, ShardSpec]:
     """This rank's ``ShardSpec`` of every DTensor parameter that is not whole on this rank, from its placements.
 
-    ``style`` is the parameter's TP style where it has one, else the placements (e.g. ``(Replicate(), Shard(dim=0))``).
+    ``style`` is the parameter's TP style where ``tp_plan`` (transformers' wildcard plan) gives one, else the
+    placements (e.g. ``(Replicate(), Shard(dim=0))``). Checked against the meta DTensor's own local shape.
 
     Raises:
+        ValueError: a dim the ``tp`` mesh dim does not divide (transformers' TP forward needs equal shards).
         RuntimeError: the derived local shape differs from the DTensor's (a lowmem_hf bug: nothing is read then).
     """
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
     tp_plan = tp_plan or {}
     specs = {}
     for name, param in model.named_parameters():
@@ -232,24 +235,27 @@ def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | N
             continue
         mesh, placements, shape = tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape)
         coordinate = mesh.get_coordinate()
+        names = tuple(mesh.mesh_dim_names or ())
+        tp = names.index("tp") if "tp" in names else None
+        if tp is not None and isinstance(placements[tp], Shard) and shape[placements[tp].dim % len(shape)] % mesh.shape[tp]:
+            d = placements[tp].dim % len(shape)
+            raise ValueError(
+                f"{name} has {shape[d]} along dimension {d} (shape {list(shape)}), which tp_size={mesh.shape[tp]} does "
+                f"not divide; choose a tp_size that divides {shape[d]}."
+            )
         intervals = local_intervals(shape, placements, tuple(mesh.shape), coordinate)
         local = tuple(sum(b - a for a, b in runs) for runs in intervals)
-        expected, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-        if local != tuple(expected):
+        if local != tuple(tensor._local_tensor.shape):
             raise RuntimeError(
                 f"{name}: placements {placements} on mesh {tuple(mesh.shape)} at {coordinate} give local shape "
-                f"{list(expected)}, lowmem_hf derived {list(local)}. This is a lowmem_hf bug; please report it."
+                f"{list(tensor._local_tensor.shape)}, lowmem_hf derived {list(local)}. This is a lowmem_hf bug; please report it."
             )
         if local == shape:
             continue  # replicated on every mesh dim: read whole
-        sharded = [d for d, runs in enumerate(intervals) if runs != ((0, shape[d]),)]
-        dim = sharded[0]
+        dim = next(d for d, runs in enumerate(intervals) if runs != ((0, shape[d]),))
         runs = intervals[dim]
-        tp_size, tp_rank = 1, 0
-        if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
-            t = mesh.mesh_dim_names.index("tp")
-            tp_size, tp_rank = int(mesh.shape[t]), int(coordinate[t])
-        style = tp_plan.get(name) or tp_plan.get(name.rpartition(".")[0]) or str(placements)
+        tp_size, tp_rank = (int(mesh.shape[tp]), int(coordinate[tp])) if tp is not None else (1, 0)
+        style = (_get_parameter_plan(name, tp_plan) if tp is not None else None) or str(placements)
         specs[name] = ShardSpec(
             style, dim, runs[0][0] if runs else 0, runs[-1][1] if runs else 0, tp_rank, tp_size, intervals=intervals
         )

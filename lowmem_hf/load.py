@@ -94,9 +94,10 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
     if tp_request is not None:
-        shards, _ = plan_shards(model, tp_request)
         if tp_request.distributed:
             model, shards = distribute(model_class, model, tp_request)
+        else:
+            shards, _ = plan_shards(model, tp_request)
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)

@@ -137,7 +137,11 @@ def distribute(model_class: type, model: Any, request: TPRequest) -> tuple[Any, 
     Returns:
         ``(model, specs)``: the model with meta DTensor parameters, and this rank's ``ShardSpec`` of every
         parameter it does not hold whole (derived from the DTensor placements and this rank's mesh coordinate).
+
+    Raises:
+        ValueError: a TP-sharded dim or the attention heads that tp_size does not divide (before any byte is read).
     """
     model = model_class.maybe_distribute_model(model, request.distributed_config, request.mesh_manager)
-    tp_plan = model._resolve_parallel_plans(request.distributed_config)[0] if request.tp_size > 1 else {}
-    return model, specs_from_placements(model, tp_plan)
+    specs = specs_from_placements(model, model.tp_plan if request.tp_size > 1 else None)
+    check_head_divisibility(model.config, {n: s for n, s in specs.items() if s.tp_size > 1}, request.tp_size)
+    return model, specs
