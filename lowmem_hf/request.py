@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import UnsupportedArgumentError
 from .distributed import check_distributed_config
+from .errors import UnsupportedArgumentError
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES

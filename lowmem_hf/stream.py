@@ -84,8 +84,10 @@ def slice_tensor(t: torch.Tensor, shard: ShardSpec | None) -> torch.Tensor:
     for dim, runs in enumerate(shard.intervals):
         if runs == ((0, t.shape[dim]),):
             continue
-        pieces = [t.narrow(dim, a, b - a) for a, b in runs]
-        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim) if pieces else t.narrow(dim, 0, 0)
+        if len(runs) == 1:
+            t = t.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        else:  # several runs (a strided shard) or none (an uneven shard that left this rank nothing)
+            t = torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim) if runs else t.narrow(dim, 0, 0)
     return t
 
 

@@ -111,7 +111,8 @@ class ShardSpec:
     """This rank's slice of one parameter: ``[start, stop)`` along ``dim`` of the global shape (or ``intervals``)."""
 
     style: str
-    """The tensor-parallel style that shards it (transformers' name, e.g. ``colwise``)."""
+    """The tensor-parallel style that shards it (transformers' name, e.g. ``colwise``); on a mesh without a TP
+    style for it, its DTensor placements (e.g. ``(Replicate(), Shard(dim=0))``)."""
     dim: int
     start: int
     stop: int

@@ -217,6 +217,7 @@ def _worker(rank: int, world: int, port: int, paths: dict, out_dir: str, trainer
                 "world": _expect_error(lambda: Causal.from_pretrained(paths["llama"], distributed_config=DistributedConfig(fsdp_size=2))),
                 "product": _expect_error(lambda: Causal.from_pretrained(paths["llama"], distributed_config=DistributedConfig(tp_size=2, fsdp_size=4))),
                 "mesh": _expect_error(lambda: Causal.from_pretrained(paths["llama"], device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), distributed_config=DistributedConfig(fsdp_size=4))),
+                "tp_dim": _expect_error(lambda: Causal.from_pretrained(paths["llama_uneven"], distributed_config=DistributedConfig(tp_size=4))),
                 "heads": _expect_error(lambda: Causal.from_pretrained(paths["llama"], distributed_config=DistributedConfig(tp_size=4))),
             }
         if trainer_args is not None:
@@ -277,6 +278,7 @@ def test_hsdp_and_tp_x_fsdp_meshes_load_and_train_like_transformers(checkpoints,
         assert "= 8 ranks, but the world has 4" in errors["product"], errors
         assert "device_mesh has fsdp=2 but distributed_config has fsdp_size=4" in errors["mesh"], errors
         assert "num_key_value_heads=2 does not divide by tp_size=4" in errors["heads"], errors
+        assert "model.embed_tokens.weight has 1025 along dimension 0 (shape [1025, 128]), which tp_size=4 does not divide" in errors["tp_dim"], errors
 
     # the Trainer: 5 steps under TP2 x FSDP2 match one process taking the same global batches
     sys.path.insert(0, os.path.join(REPO, "examples"))
