@@ -37,7 +37,7 @@ from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import DEFAULT_WORKERS, StreamStats, stream
+from .stream import DEFAULT_WORKERS, StreamStats, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -62,12 +62,22 @@ class PreparedLoad:
     started: float
     """``time.perf_counter()`` when ``prepare`` began (the report's wall time counts from here)."""
 
+    @property
+    def stream_chunk_bytes(self) -> int:
+        """The stream's chunk size: the requested one for HTTP ranges and DCP chunks, else capped so staging
+        stays small next to what this rank loads (``staging_chunk_bytes``)."""
+        checkpoint = self.checkpoint
+        ranged = bool(checkpoint.remote) and self.request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS
+        if ranged or checkpoint.format == CheckpointFormat.DCP:
+            return self.request.chunk_bytes
+        return staging_chunk_bytes(self.plan, self.request.chunk_bytes)
+
     def estimate(self) -> PlanEstimate:
         """What ``execute`` will read, download and hold on this rank (the dry run's numbers)."""
         return estimate_plan(
             self.model, self.plan, self.checkpoint,
             rank=self.tp.tp_rank if self.tp is not None else 0,
-            chunk_bytes=self.request.chunk_bytes, workers=DEFAULT_WORKERS,
+            chunk_bytes=self.stream_chunk_bytes, workers=DEFAULT_WORKERS,
             cached=self.checkpoint.local_paths, fetch=self.request.fetch,
         )
 
@@ -107,9 +117,10 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
     if tp_request is not None:
-        shards, _ = plan_shards(model, tp_request)
         if tp_request.distributed:
-            model = distribute(model_class, model, tp_request, shards)
+            model, shards = distribute(model_class, model, tp_request)
+        else:
+            shards, _ = plan_shards(model, tp_request)
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
@@ -151,7 +162,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     peak_anon = _proc_status_bytes("RssAnon")
     try:
         for _, tensors, staged in stream(
-            plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=request.chunk_bytes,
+            plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=prepared.stream_chunk_bytes,
             weights_only=request.weights_only, stats=stats, paths=paths, source=source,
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .distributed import check_distributed_config
 from .errors import UnsupportedArgumentError
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, parse_dtype, parse_overrides
@@ -32,7 +33,6 @@ NOT_IMPLEMENTED = {
     "offload_folder": "disk offload is not supported",
     "offload_buffers": "disk offload is not supported",
     "offload_state_dict": "disk offload is not supported",
-    "distributed_config": "pass tp_plan / tp_size (tensor parallelism only; FSDP, pipeline and expert parallelism are not supported)",
     "adapter_kwargs": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
     "adapter_name": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
     "use_kernels": "hub kernels are not supported",
@@ -80,10 +80,12 @@ class TPOptions:
     tp_size: int | None = None
     tp_rank: int | None = None
     device_mesh: Any = None
+    distributed_config: Any = None
+    """transformers' ``DistributedConfig`` (TP, FSDP2, HSDP replicas); see ``lowmem_hf.distributed``."""
 
     @property
     def requested(self) -> bool:
-        return any(v is not None for v in (self.tp_plan, self.tp_size, self.tp_rank, self.device_mesh))
+        return any(v is not None for v in (self.tp_plan, self.tp_size, self.tp_rank, self.device_mesh, self.distributed_config))
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ def make_request(
     tp_size: int | None = None,
     tp_rank: int | None = None,
     device_mesh: Any = None,
+    distributed_config: Any = None,
     tqdm_class: Any = None,
     checkpoint_format: str | None = None,
     **config_overrides: Any,
@@ -215,6 +218,7 @@ def make_request(
     """
     for name in [n for n in config_overrides if n in NOT_IMPLEMENTED]:
         raise UnsupportedArgumentError(name, f"from_pretrained({name}=...) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}.")
+    distributed_config = check_distributed_config(distributed_config)
     if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
         raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
     requested = dtype if dtype is not None else torch_dtype
@@ -265,7 +269,7 @@ def make_request(
         output_loading_info=output_loading_info,
         chunk_bytes=chunk_bytes,
         fetch=fetch,
-        tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh),
+        tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,
         checkpoint_format=checkpoint_format,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import threading
@@ -33,7 +34,7 @@ from .errors import CorruptCheckpointError
 from .plan.sharding import chunk_runs, element_runs
 from .types import CheckpointFormat, ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo
 
-__all__ = ["StreamStats", "stream", "chunk_spans", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
+__all__ = ["StreamStats", "stream", "chunk_spans", "slice_tensor", "staging_chunk_bytes", "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS"]
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 # Chunks of one submodule are read by this many threads: preadv and copy_ release the GIL, so reading one
@@ -72,6 +73,29 @@ def chunk_spans(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, 
     """Element ranges ``[start, stop)`` covering ``numel`` elements, each at most ``chunk_bytes`` bytes (min one element)."""
     step = max(1, chunk_bytes // itemsize)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def staging_chunk_bytes(plan: LoadPlan, chunk_bytes: int, workers: int = DEFAULT_WORKERS) -> int:
+    """``chunk_bytes``, lowered so the staging buffers (``workers`` x chunk) stay within 1/128 of the bytes this
+    process loads (at least 256 KiB): a rank holding a quarter of a model should not pay full-model staging."""
+    local = sum(math.prod(r.local_shape) * r.decision.dtype.itemsize for r in plan.reads)
+    return min(chunk_bytes, max(256 << 10, local // (128 * workers)))
+
+
+def slice_tensor(t: torch.Tensor, shard: ShardSpec | None) -> torch.Tensor:
+    """``t``'s slice described by ``shard``: a view for one range per dim, a copy where a dim has several runs."""
+    if shard is None:
+        return t
+    if shard.intervals is None:
+        return t.narrow(shard.dim, shard.start, shard.stop - shard.start)
+    for dim, runs in enumerate(shard.intervals):
+        if runs == ((0, t.shape[dim]),):
+            continue
+        if len(runs) == 1:
+            t = t.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        else:  # several runs (a strided shard) or none (an uneven shard that left this rank nothing)
+            t = torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim) if runs else t.narrow(dim, 0, 0)
+    return t
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -254,7 +278,7 @@ class TorchReader:
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         full = self._load(info.file)[info.key]
-        src = full.narrow(shard.dim, shard.start, shard.stop - shard.start) if shard else full
+        src = slice_tensor(full, shard)
         if not (self._mmapped and src.is_contiguous()):
 
             def whole() -> None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed import DistributedConfig
 
-from .plan.sharding import UnsupportedStyleError, check_head_divisibility, shard_specs
+from .distributed import set_up_mesh, specs_from_placements
+from .plan.sharding import check_head_divisibility, shard_specs
 from .types import ShardSpec
 
 __all__ = ["TPRequest", "request_tp", "plan_shards", "distribute"]
@@ -46,15 +46,30 @@ def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def request_tp(model_class: type, *, tp_plan: Any, tp_size: int | None, tp_rank: int | None, device_mesh: Any) -> TPRequest | None:
+def request_tp(
+    model_class: type, *, tp_plan: Any, tp_size: int | None, tp_rank: int | None, device_mesh: Any, distributed_config: Any = None
+) -> TPRequest | None:
     """Validate the TP arguments and, in distributed mode, set up transformers' mesh. ``None``: no TP.
+
+    A ``distributed_config`` or an n-D ``device_mesh`` goes to ``distributed.set_up_mesh`` (TP x FSDP2 x HSDP).
 
     Raises:
         ValueError: ``tp_rank >= tp_size``, a mesh whose size disagrees with ``tp_size``, a bad ``tp_plan``,
             or TP asked for with neither a process group nor ``tp_rank``/``tp_size``.
     """
-    if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None:
+    if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None and distributed_config is None:
         return None
+    if distributed_config is not None or (device_mesh is not None and device_mesh.ndim > 1):
+        setup = set_up_mesh(model_class, distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size, device_mesh=device_mesh)
+        if setup is None:
+            return None
+        if tp_rank is not None and tp_rank != setup.tp_rank:
+            raise ValueError(f"tp_rank={tp_rank} but this process is rank {setup.tp_rank} of the tp mesh; omit tp_rank under a process group.")
+        plan = setup.config.tp_plan if setup.config.tp_plan is not None else "auto"
+        return TPRequest(
+            plan=plan, tp_size=setup.config.tp_size, tp_rank=setup.tp_rank, distributed=True,
+            distributed_config=setup.config, mesh_manager=setup.mesh_manager,
+        )
     plan = "auto" if tp_plan is None else tp_plan
     if plan != "auto" and not isinstance(plan, Mapping):
         raise ValueError(f"tp_plan must be 'auto' or a dict {{module_pattern: style}}, got {tp_plan!r}.")
@@ -116,20 +131,17 @@ def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], d
     return specs, resolved
 
 
-def distribute(model_class: type, model: Any, request: TPRequest, specs: Mapping[str, ShardSpec]) -> Any:
-    """Shard the meta model with transformers' engine and check its placements agree with ``specs``."""
+def distribute(model_class: type, model: Any, request: TPRequest) -> tuple[Any, dict[str, ShardSpec]]:
+    """Shard the meta model with transformers' engine (TP, then FSDP2); each rank's slices from the placements.
+
+    Returns:
+        ``(model, specs)``: the model with meta DTensor parameters, and this rank's ``ShardSpec`` of every
+        parameter it does not hold whole (derived from the DTensor placements and this rank's mesh coordinate).
+
+    Raises:
+        ValueError: a TP-sharded dim or the attention heads that tp_size does not divide (before any byte is read).
+    """
     model = model_class.maybe_distribute_model(model, request.distributed_config, request.mesh_manager)
-    for name, param in model.named_parameters():
-        placements = param.data.placements if isinstance(param.data, DTensor) else (Replicate(),)
-        spec = specs.get(name)
-        placement = placements[0]
-        agrees = (spec is None and isinstance(placement, Replicate)) or (
-            spec is not None and type(placement) is Shard and placement.dim % param.ndim == spec.dim
-        )
-        if not agrees:
-            raise UnsupportedStyleError(
-                f"{name}: transformers placed it as {placement} but lowmem_hf planned "
-                f"{'a replica' if spec is None else f'Shard({spec.dim}) ({spec.style})'}; this TP style is not "
-                "supported by lowmem_hf. Override it in tp_plan or load without tensor parallelism."
-            )
-    return model
+    specs = specs_from_placements(model, model.tp_plan if request.tp_size > 1 else None)
+    check_head_divisibility(model.config, {n: s for n, s in specs.items() if s.tp_size > 1}, request.tp_size)
+    return model, specs

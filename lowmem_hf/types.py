@@ -112,17 +112,23 @@ class DtypeDecision:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """This rank's slice of one parameter: ``[start, stop)`` along ``dim`` of the global shape."""
+    """This rank's slice of one parameter: ``[start, stop)`` along ``dim`` of the global shape (or ``intervals``)."""
 
     style: str
-    """The tensor-parallel style that shards it (transformers' name, e.g. ``colwise``)."""
+    """The tensor-parallel style that shards it (transformers' name, e.g. ``colwise``); on a mesh without a TP
+    style for it, its DTensor placements (e.g. ``(Replicate(), Shard(dim=0))``)."""
     dim: int
     start: int
     stop: int
     tp_rank: int
     tp_size: int
+    intervals: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """Every dim's local index set as sorted ``(start, stop)`` runs, when the slice is more than one range of
+    ``dim`` (meshes: several sharded dims, strided shards). ``None``: ``[start, stop)`` of ``dim``, all of the rest."""
 
     def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.intervals is not None:
+            return tuple(sum(b - a for a, b in runs) for runs in self.intervals)
         shape = list(global_shape)
         shape[self.dim] = self.stop - self.start
         return tuple(shape)

@@ -165,7 +165,8 @@ def test_model_init_keywords_reach_the_model(make_checkpoint):
         ({"gguf_file": "x.gguf"}, "gguf_file"),
         ({"device_map": "auto"}, "device_map='auto'"),
         ({"device_map": {"model": "cpu", "lm_head": "disk"}}, "device_map="),
-        ({"distributed_config": {}}, "distributed_config"),
+        ({"distributed_config": {"pp_size": 2}}, "pp_size=2"),
+        ({"distributed_config": {"ep_size": 2, "fsdp_size": 2}}, "ep_size=2"),
         ({"state_dict": {}}, "state_dict"),
     ],
 )

@@ -24,6 +24,7 @@ __all__ = [
     "shard_specs",
     "slice_bounds",
     "element_runs",
+    "interval_runs",
     "chunk_runs",
     "check_head_divisibility",
 ]
@@ -137,18 +138,47 @@ def element_runs(shape: tuple[int, ...], spec: ShardSpec | None) -> list[tuple[i
     """Contiguous ``(source_element_offset, n_elements)`` runs of a row-major tensor that make up the slice.
 
     Concatenated in order, the runs are the local tensor in row-major order. A dim-0 slice is one run;
-    a slice of dim ``d`` is one run per index of the dims before ``d``.
+    a slice of dim ``d`` is one run per index of the dims before ``d``. With ``spec.intervals`` (meshes),
+    the runs of the last partial dim repeat for every kept index of the dims before it; adjacent runs merge,
+    so a read is never split where the bytes are contiguous.
     """
     numel = math.prod(shape)
     if spec is None:
         return [(0, numel)] if numel else []
-    inner = math.prod(shape[spec.dim + 1 :])
-    outer = math.prod(shape[: spec.dim])
-    stride = shape[spec.dim] * inner
-    length = (spec.stop - spec.start) * inner
-    if length == 0:
+    if spec.intervals is None:
+        inner = math.prod(shape[spec.dim + 1 :])
+        outer = math.prod(shape[: spec.dim])
+        stride = shape[spec.dim] * inner
+        length = (spec.stop - spec.start) * inner
+        if length == 0:
+            return []
+        return [(o * stride + spec.start * inner, length) for o in range(outer)]
+    return interval_runs(shape, spec.intervals)
+
+
+def interval_runs(shape: tuple[int, ...], intervals: tuple[tuple[tuple[int, int], ...], ...]) -> list[tuple[int, int]]:
+    """``element_runs`` for per-dim index runs: the row-major element runs of their cartesian product, merged."""
+    if any(not runs for runs in intervals) or math.prod(shape) == 0:
         return []
-    return [(o * stride + spec.start * inner, length) for o in range(outer)]
+    partial = [d for d, runs in enumerate(intervals) if runs != ((0, shape[d]),)]
+    if not partial:
+        return [(0, math.prod(shape))]
+    last = partial[-1]
+    inner = math.prod(shape[last + 1 :])
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    bases = [0]
+    for d in range(last):  # every kept index of the dims before the last partial one
+        offsets = [i * strides[d] for a, b in intervals[d] for i in range(a, b)]
+        bases = [base + o for base in bases for o in offsets]
+    out: list[tuple[int, int]] = []
+    for base in bases:
+        for a, b in intervals[last]:
+            start, n = base + a * inner, (b - a) * inner
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((start, n))
+    return out
 
 
 def chunk_runs(runs: list[tuple[int, int]], itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
