@@ -21,9 +21,9 @@ _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 @pytest.fixture(scope="module")
 def mid_llama(tmp_path_factory):
-    """~120 MB in fp32: large enough that the fixed costs of a process do not swamp a 10% peak tolerance."""
+    """~180 MB in fp32: large enough that the fixed costs of a process do not swamp a 10% peak tolerance."""
     cfg = transformers.LlamaConfig(
-        vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+        vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, tie_word_embeddings=False,
     )
     with torch.device("meta"):
