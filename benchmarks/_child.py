@@ -1,6 +1,6 @@
 """Child process of bench_load.py: load one checkpoint once, following measure.py's protocol.
 
-    python benchmarks/_child.py --loader {lowmem,transformers} --path DIR --dtype bfloat16
+    python benchmarks/_child.py --loader {lowmem,transformers,accelerate} --path DIR --dtype bfloat16
 
 Everything that is not the load itself (imports, resolving the model class, a warm-up tensor)
 happens *before* READY so it is part of the baseline the parent records; post-load checks happen
@@ -62,7 +62,7 @@ def file_backed_bytes(tensors) -> tuple[int, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--loader", choices=("lowmem", "transformers"), required=True)
+    ap.add_argument("--loader", choices=("lowmem", "transformers", "accelerate"), required=True)
     ap.add_argument("--path", required=True)
     ap.add_argument("--dtype", required=True, help="torch dtype name, e.g. bfloat16")
     ap.add_argument("--skip-value-check", action="store_true")
@@ -86,6 +86,19 @@ def main() -> int:
 
         def load():
             return LowMemAutoModelForCausalLM.from_pretrained(args.path, torch_dtype=dtype)
+    elif args.loader == "accelerate":
+        # accelerate's documented big-model recipe: an empty (meta) model, then its checkpoint loader.
+        import accelerate
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+        from transformers import AutoModelForCausalLM
+
+        versions = {"accelerate": accelerate.__version__}
+
+        def load():
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.path), dtype=dtype)
+            model.tie_weights()
+            return load_checkpoint_and_dispatch(model, checkpoint=args.path, device_map={"": "cpu"}, dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
 

@@ -38,7 +38,8 @@ CASES = {
     "fp32_st_to_fp32": ("float32", "safetensors", "float32", "(d) fp32 safetensors -> fp32"),
 }
 ALIASES = {"a": "fp32_st_to_bf16", "b": "fp32_bin_to_bf16", "c": "bf16_st_to_bf16", "d": "fp32_st_to_fp32"}
-LOADERS = ("lowmem", "transformers")
+LOADERS = ("lowmem", "transformers", "accelerate")
+DEFAULT_LOADERS = ("lowmem", "transformers")
 
 # Targets for lowmem_hf (see README): memory above the post-import baseline at most 1.05x the
 # final model bytes, and at most half of transformers' wall time.
@@ -55,8 +56,9 @@ def parse_args(argv=None):
         "--cases", nargs="+", default=list(CASES), metavar="CASE",
         help=f"subset of {list(CASES)} (or a b c d)",
     )
-    ap.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=LOADERS,
-                    help="loaders to run, alternated in this order")
+    ap.add_argument("--loaders", nargs="+", default=list(DEFAULT_LOADERS), choices=LOADERS,
+                    help="loaders to run, alternated in this order (accelerate: init_empty_weights + "
+                         "load_checkpoint_and_dispatch, its big-model recipe)")
     ap.add_argument("--drop-caches", action="store_true",
                     help="drop the page cache before every load (cold reads; needs root). "
                          "Default: the checkpoint is read once up front so all loads are warm.")
@@ -175,6 +177,9 @@ def summarize(case: str, runs: list[dict]) -> dict:
     lm, tf = out["loaders"].get("lowmem", {}), out["loaders"].get("transformers", {})
     if "load_seconds" in lm and "load_seconds" in tf:
         out["time_ratio"] = lm["load_seconds"] / tf["load_seconds"]
+    for s in out["loaders"].values():
+        if "load_seconds" in s and "load_seconds" in tf:
+            s["time_vs_transformers"] = s["load_seconds"] / tf["load_seconds"]
     if "load_seconds" in lm:
         out["targets"] = {
             f"RssAnon <= {TARGET_MEM_RATIO}x model": lm["rss_anon_ratio"] <= TARGET_MEM_RATIO,
@@ -197,9 +202,7 @@ def print_table(summary: dict) -> None:
         if "load_seconds" not in s:
             print(f"  {loader:<13}{s['runs']:>5}   all {s['crashed']} run(s) crashed")
             continue
-        ratio = ""
-        if loader == "lowmem" and "time_ratio" in summary:
-            ratio = f"{summary['time_ratio']:.2f}x"
+        ratio = f"{s['time_vs_transformers']:.2f}x" if loader != "transformers" and "time_vs_transformers" in s else ""
         crashed = f"  ({s['crashed']} crashed)" if s["crashed"] else ""
         wrong = "" if s["correct"] else "  WRONG RESULT (see runs)"
         print(f"  {loader:<13}{s['runs']:>5}{s['load_seconds']:>9.2f}{s['rss_anon_ratio']:>14.3f}x"

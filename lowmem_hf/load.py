@@ -31,6 +31,7 @@ from . import dcp as _dcp
 from .errors import CheckpointNotFoundError, UnsupportedArgumentError
 from .fetch import HttpRanges, fetch_files
 from .hub import pin_revision, resolve_hub
+from .logs import log_load
 from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
 from .plan.estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
@@ -216,6 +217,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         shards=dict(plan.shards),
         commit=checkpoint.commit,
     )
+    model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
+    log_load(type(model).__name__, request.name_or_path, report)
     return model, report
 
 

@@ -18,7 +18,6 @@ transformers' own loader, with one warning naming the argument: behaviour never 
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from typing import Any
@@ -32,8 +31,6 @@ from .load import execute, prepare
 from .request import make_request
 
 __all__ = ["patch_transformers", "unpatch_transformers", "is_patched", "FallbackWarning"]
-
-logger = logging.getLogger("lowmem_hf")
 
 # transformers' internal telemetry flags, set by its own callers (auto classes, pipelines); they change nothing
 # about what is loaded, so the switch drops them rather than refusing the call.
@@ -129,12 +126,7 @@ def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
             stacklevel=4,
         )
         return _original_for(cls)(path, *model_args, **kwargs)
-    model, report = execute(prepared)
-    logger.info(
-        "lowmem_hf loaded %s from %s: %s, %.1f MiB read, %.1f MiB of parameters, %.2f s",
-        type(model).__name__, path, report.dtype, report.bytes_read / 2**20, report.model_bytes / 2**20, report.wall_seconds,
-    )
-    model.lowmem_report = report  # what a script cannot ask for through transformers' API
+    model, report = execute(prepared)  # logs the load (logs.log_load)
     if not prepared.request.output_loading_info:
         return model
     return model, report.to_dict()  # transformers' contract: LoadStateDictInfo.to_dict()

@@ -2,16 +2,16 @@
 
 The script runs as ``__main__`` in this process (so ``torchrun -m lowmem_hf run SCRIPT`` gives every rank the
 switch), with ``sys.argv = [SCRIPT, *ARGS]`` and the script's folder first on ``sys.path``, as ``python SCRIPT``
-would have it. Each load lowmem_hf does prints one line on stderr, so the log shows who loaded the model.
+would have it. Each load lowmem_hf does logs one info line (on rank 0), so the log shows who loaded the model.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import runpy
 import sys
 
+from .logs import show_info
 from .patch import patch_transformers
 
 __all__ = ["run_script"]
@@ -26,11 +26,7 @@ def run_script(script: str, args: list[str]) -> None:
     """
     if not os.path.isfile(script):
         raise FileNotFoundError(f"lowmem-hf run: script {script!r} does not exist (or is not a file).")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[lowmem_hf] %(message)s"))
-    logger = logging.getLogger("lowmem_hf")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    show_info()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python SCRIPT` puts there (not the cwd)
     patch_transformers()

@@ -1,0 +1,93 @@
+"""The ``lowmem_hf`` logger: it speaks when transformers would, so one verbosity setting governs both.
+
+- Level: transformers' verbosity (``transformers.logging.set_verbosity_*``, ``TRANSFORMERS_VERBOSITY``), read
+  at each record, so a script that quiets transformers quiets lowmem_hf too. ``show_info()`` lowers it to INFO
+  for this process (``lowmem-hf run`` does, so the log says who loaded the model).
+- Output: records propagate to the application's logging as usual. Only when the application configured none
+  (the root logger has no handler) does lowmem_hf print them on stderr itself, as transformers does with its
+  own handler; otherwise Python would drop info lines and print warnings without a name.
+- Per load, on rank 0 only: one info line, and one warning when keys are missing, unexpected or mismatched
+  (transformers' own load report, which lowmem_hf's finishing step also logs, goes to transformers' logger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
+
+__all__ = ["logger", "show_info", "is_rank_zero", "log_load"]
+
+logger = logging.getLogger("lowmem_hf")
+_floor: int | None = None
+
+
+class _FollowTransformers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        level = hf_logging.get_verbosity()
+        if _floor is not None:
+            level = min(level, _floor)
+        return record.levelno >= level
+
+
+class _StderrIfUnconfigured(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` when the application set up no logging of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("[lowmem_hf] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the record propagates to the application's handlers
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+if not any(isinstance(f, _FollowTransformers) for f in logger.filters):
+    logger.setLevel(logging.DEBUG)  # the filter decides, so transformers' verbosity can change at any time
+    logger.addFilter(_FollowTransformers())
+    logger.addHandler(_StderrIfUnconfigured())
+
+
+def show_info() -> None:
+    """Show lowmem_hf's info lines in this process whatever transformers' verbosity."""
+    global _floor
+    _floor = logging.INFO
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of the process group, or of torchrun's ``RANK`` before a group exists; True in one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _names(keys, limit: int = 5) -> str:
+    keys = sorted(keys)
+    more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def log_load(model_class: str, path: str, report) -> None:
+    """One info line for a finished load and, where keys did not match, one warning (rank 0 only)."""
+    if not is_rank_zero():
+        return
+    logger.info(
+        "lowmem_hf loaded %s from %s: %s, %.1f MiB read, %.1f MiB of parameters, %.2f s",
+        model_class, path, report.dtype, report.bytes_read / 2**20, report.model_bytes / 2**20, report.wall_seconds,
+    )
+    parts = [
+        f"{len(keys)} {what} ({_names(keys)})"
+        for what, keys in (
+            ("missing keys, newly initialized", report.missing_keys),
+            ("unexpected keys, not loaded", report.unexpected_keys),
+            ("mismatched keys, newly initialized", report.mismatched_keys),
+        )
+        if keys
+    ]
+    if parts:
+        logger.warning("%s from %s: %s.", model_class, path, "; ".join(parts))
