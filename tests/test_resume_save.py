@@ -283,3 +283,29 @@ def test_save_killed_halfway_leaves_no_index(tmp_path):
     model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(tmp_path / "src")
     lowmem_hf.save_pretrained(model, tmp_path / "out", max_shard_size="100KB")
     assert json.load(open(tmp_path / "out" / "model.safetensors.index.json"))["weight_map"]
+
+
+def test_resume_example_trains_saves_resumes_at_another_tp_size_and_reloads(distributed_run, tmp_path):
+    """examples/finetune_tp_resume.py: 2 TP ranks save a sharded checkpoint mid-run, one process resumes it and
+    saves the Hub layout, which transformers loads with no missing or unexpected key."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = os.path.join(repo, "examples", "finetune_tp_resume.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p))
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    runs = [
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         example, "--model", str(distributed_run / "qwen2_tied"), "--checkpoint", ckpt, "--steps", "3", "--save-at", "2"],
+        [sys.executable, example, "--model", ckpt, "--steps", "2", "--output-dir", out],
+    ]
+    for argv in runs:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "step 2: loss" in proc.stdout
+    assert glob.glob(os.path.join(ckpt, "shard-*-model-*.safetensors"))
+    original = transformers.AutoModelForCausalLM.from_pretrained(distributed_run / "qwen2_tied")
+    final, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert final.lm_head.weight is final.model.embed_tokens.weight
+    assert not torch.equal(final.model.embed_tokens.weight, original.model.embed_tokens.weight)  # it trained
+    assert torch.isfinite(final(IDS).logits).all()
