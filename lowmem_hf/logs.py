@@ -67,7 +67,8 @@ def is_rank_zero() -> bool:
 
 
 def _names(keys, limit: int = 5) -> str:
-    keys = sorted(keys)
+    # mismatched keys are (name, checkpoint shape, model shape), as in transformers' LoadStateDictInfo
+    keys = sorted(k if isinstance(k, str) else f"{k[0]}: checkpoint {tuple(k[1])}, model {tuple(k[2])}" for k in keys)
     more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
 

@@ -52,7 +52,7 @@ def test_shape_mismatch_names_both_shapes_and_the_fix(sharded_llama):
     assert open_fds() == fds
 
 
-def test_ignore_mismatched_sizes_initializes_like_transformers(sharded_llama):
+def test_ignore_mismatched_sizes_initializes_like_transformers(sharded_llama, caplog):
     torch.manual_seed(0)
     ref, ref_info = transformers.AutoModelForCausalLM.from_pretrained(
         sharded_llama, vocab_size=100, ignore_mismatched_sizes=True, output_loading_info=True
@@ -61,6 +61,8 @@ def test_ignore_mismatched_sizes_initializes_like_transformers(sharded_llama):
     got, report = Causal.from_pretrained(sharded_llama, vocab_size=100, ignore_mismatched_sizes=True, output_loading_info=True)
     assert report["mismatched_keys"] == set(ref_info["mismatched_keys"])
     assert {k for k, *_ in report["mismatched_keys"]} == {"model.embed_tokens.weight", "lm_head.weight"}
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "lowmem_hf"]
+    assert "2 mismatched keys, newly initialized (lm_head.weight: checkpoint (96, 64), model (100, 64), " in warning
     for name, t in ref.state_dict().items():
         assert torch.equal(got.state_dict()[name], t), name
 
