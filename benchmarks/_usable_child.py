@@ -1,0 +1,93 @@
+"""Child of bench_usable.py: time one load to a usable model (measure.py protocol).
+
+    python benchmarks/_usable_child.py --loader {lowmem,lowmem-mmap,transformers} --path DIR --dtype bfloat16
+    # under RANK/WORLD_SIZE/MASTER_*: joins a gloo group and loads with tp_plan="auto"
+
+Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 16
+tokens, no grad) returns; every parameter has been written in place once (``mul_(1)``, what a first
+optimizer step does to memory: it faults in and, for copy-on-write views of a file, copies every page).
+Memory is sampled by the parent over all three. The model's module (``modeling_llama``) and, under TP,
+the process group exist before the clock, for both loaders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from _child import say, wait_for_parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loader", choices=("lowmem", "lowmem-mmap", "transformers"), required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--dtype", required=True)
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    import lowmem_hf
+
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        torch.set_num_threads(1)  # the ranks share the cores
+        dist.init_process_group("gloo")
+    dtype = getattr(torch, args.dtype)
+    config = AutoConfig.from_pretrained(args.path)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # import modeling_llama before the clock, for both loaders
+    tp = {"tp_plan": "auto"} if distributed else {}
+    ids = torch.arange(16).reshape(1, 16) % config.vocab_size
+    (torch.ones(1024) * 2).sum().item()
+
+    def load():
+        if args.loader == "transformers":
+            return AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **tp)
+        mmap = {"mmap": True} if args.loader == "lowmem-mmap" else {}
+        return lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(args.path, torch_dtype=dtype, **tp, **mmap)
+
+    say("READY")
+    wait_for_parent("go")
+    t0 = time.perf_counter()
+    model = load()
+    t_load = time.perf_counter()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    t_forward = time.perf_counter()
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.data.to_local() if hasattr(p.data, "to_local") else p.data).mul_(1)
+    t_write = time.perf_counter()
+    say("LOADED")
+    wait_for_parent("go")
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    model_bytes = sum(local(p.data).numel() * p.element_size() for p in model.parameters())
+    model_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    report = getattr(model, "lowmem_report", None)
+    result = {
+        "load_seconds": t_load - t0,
+        "forward_seconds": t_forward - t0,
+        "write_seconds": t_write - t0,
+        "model_bytes": model_bytes,
+        "logits_finite": bool(torch.isfinite(local(logits)).all()),
+        "notes": list(report.notes) if report is not None else [],
+        "mapped_bytes": getattr(report, "mapped_bytes", None),
+    }
+    say("RESULT " + json.dumps(result))
+    wait_for_parent("exit")
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Time to a usable model, lowmem_hf vs transformers, warm and cold page cache, 1 process and 2 TP ranks.
+
+    python benchmarks/bench_usable.py [--size-gb 2.0] [--repeats 3] [--ranks 1 2] [--cache warm cold]
+
+For each case (fp32 safetensors -> bf16, fp32 .bin -> bf16, fp32 -> fp32 owned, fp32 -> fp32 ``mmap=True``),
+each loader runs in a fresh child (``_usable_child.py``), alternating loaders within each repeat so they share
+the machine's noise. Reported: seconds to ``from_pretrained`` return, to the end of a first forward, and to
+the end of a first in-place write of every parameter, all from one clock; peak RssAnon and VmHWM above the
+post-import baseline (parent-sampled over the whole sequence) / the final model bytes. Cold: ``sync; echo 3 >
+/proc/sys/vm/drop_caches`` before every load (root only; the run says when it cannot and stays warm). Ratios
+are lowmem medians / transformers medians of the same run. Exit status 1 only if a child failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_load import child_env  # noqa: E402
+from bench_tp import free_port  # noqa: E402
+from checkpoints import drop_page_cache, make_bin_twin, make_llama_checkpoint, prewarm_page_cache  # noqa: E402
+from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
+
+# case -> (checkpoint format, target dtype, loaders compared with transformers)
+CASES = {
+    "fp32_st_to_bf16": ("safetensors", "bfloat16", ("lowmem",)),
+    "fp32_bin_to_bf16": ("bin", "bfloat16", ("lowmem",)),
+    "fp32_st_to_fp32": ("safetensors", "float32", ("lowmem", "lowmem-mmap")),
+}
+STAGES = ("load_seconds", "forward_seconds", "write_seconds")
+
+
+def run(loader: str, path: Path, dtype: str, ranks: int, logdir: Path, tag: str) -> list[dict]:
+    port, procs, logs = free_port(), [], []
+    for rank in range(ranks):
+        env = child_env()
+        if ranks > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(logdir / f"usable-{tag}-{loader}-rank{rank}.stderr.log", "wb")
+        logs.append(log)
+        argv = [sys.executable, str(HERE / "_usable_child.py"), "--loader", loader, "--path", str(path), "--dtype", dtype]
+        procs.append(spawn_child(argv, env=env, stderr=log))
+    try:
+        results = run_children(procs, start_together=True, timeout_s=900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    out = []
+    for rank, r in enumerate(results):
+        if not r["ok"]:
+            raise RuntimeError(f"{loader} rank {rank} failed: {r.get('error')}; see {logdir}")
+        res = r["result"]
+        mb = res["model_bytes"]
+        res.update(rss_anon=r["peak_rss_anon_above_baseline_kb"] * 1024 / mb, vmhwm=r["vmhwm_above_baseline_kb"] * 1024 / mb)
+        out.append(res)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--cache", nargs="+", choices=("warm", "cold"), default=["warm", "cold"])
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    ap.add_argument("--workdir", default=str(HERE / "_work"))
+    args = ap.parse_args(argv)
+
+    workdir = Path(args.workdir).resolve()
+    logdir = workdir / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    st = make_llama_checkpoint(workdir, args.size_gb, "float32")
+    paths = {"safetensors": st}
+    if any(CASES[c][0] == "bin" for c in args.cases):
+        paths["bin"] = make_bin_twin(st, workdir / (st.name + "-bin"))
+    caches = list(args.cache)
+    if "cold" in caches and not drop_page_cache():
+        print("[usable] cannot drop the page cache here (needs root and a writable /proc/sys/vm/drop_caches): "
+              "cold runs skipped", flush=True)
+        caches.remove("cold")
+    print(f"[usable] sampler {boost_sampler_priority()}; checkpoint {st}", flush=True)
+
+    rows = []
+    for ranks in args.ranks:
+        for case in args.cases:
+            fmt, dtype, ours = CASES[case]
+            loaders = (*ours, "transformers")
+            for cache in caches:
+                runs: dict[str, list[dict]] = {loader: [] for loader in loaders}
+                for rep in range(args.repeats):
+                    for loader in loaders:
+                        if cache == "cold":
+                            drop_page_cache()
+                        else:
+                            prewarm_page_cache(paths[fmt])
+                        got = run(loader, paths[fmt], dtype, ranks, logdir, f"{case}-{cache}-{ranks}-{rep}")
+                        slowest = max(got, key=lambda r: r["write_seconds"])  # the job waits for its slowest rank
+                        slowest.update(rss_anon=max(r["rss_anon"] for r in got), vmhwm=max(r["vmhwm"] for r in got))
+                        runs[loader].append(slowest)
+                        print(f"  [{ranks} rank(s) {case} {cache} {loader:<12} #{rep}] "
+                              + "  ".join(f"{s.split('_')[0]} {slowest[s]:.2f}s" for s in STAGES)
+                              + f"  RssAnon {slowest['rss_anon']:.3f}x  VmHWM {slowest['vmhwm']:.3f}x", flush=True)
+                med = {loader: {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "rss_anon", "vmhwm")}
+                       for loader, rs in runs.items()}
+                for loader in ours:
+                    rows.append((ranks, case, cache, loader, med[loader], med["transformers"]))
+
+    print(f"\nSummary: medians of {args.repeats}; time ratio = lowmem / transformers in the same run; memory = peak "
+          "above baseline / model bytes (per rank, the worst rank)")
+    print(f"{'ranks':>5} {'case':<17} {'cache':<5} {'loader':<12} {'return':>14} {'first forward':>14} "
+          f"{'first write':>14} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9}")
+    for ranks, case, cache, loader, m, tf in rows:
+        cells = "".join(f"{m[s]:>7.2f}s {m[s] / tf[s]:>5.2f}x" for s in STAGES)
+        print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<12} {cells} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
+              f"{tf['vmhwm']:>8.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
