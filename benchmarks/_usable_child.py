@@ -3,7 +3,7 @@
     python benchmarks/_usable_child.py --loader {lowmem,lowmem-mmap,transformers} --path DIR --dtype bfloat16
     # under RANK/WORLD_SIZE/MASTER_*: joins a gloo group and loads with tp_plan="auto"
 
-Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 16
+Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 4
 tokens, no grad) returns; every parameter has been written in place once (``mul_(1)``, what a first
 optimizer step does to memory: it faults in and, for copy-on-write views of a file, copies every page).
 Memory is sampled by the parent over all three. The model's module (``modeling_llama``) and, under TP,
@@ -43,7 +43,7 @@ def main() -> int:
     config = AutoConfig.from_pretrained(args.path)
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # import modeling_llama before the clock, for both loaders
     tp = {"tp_plan": "auto"} if distributed else {}
-    ids = torch.arange(16).reshape(1, 16) % config.vocab_size
+    ids = torch.arange(4).reshape(1, 4) % config.vocab_size
     (torch.ones(1024) * 2).sum().item()
 
     def load():

@@ -15,6 +15,7 @@ import inspect
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import DEFAULT_WORKERS, StreamStats, staging_chunk_bytes, stream
+from .stream import DEFAULT_WORKERS, StreamStats, cached_fraction, choose_workers, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -71,14 +72,31 @@ class PreparedLoad:
         ranged = bool(checkpoint.remote) and self.request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS
         if ranged or checkpoint.format == CheckpointFormat.DCP:
             return self.request.chunk_bytes
-        return staging_chunk_bytes(self.plan, self.request.chunk_bytes)
+        return staging_chunk_bytes(self.plan, self.request.chunk_bytes, self.workers)
+
+    @cached_property
+    def page_cache_fraction(self) -> float | None:
+        """How much of the local files this load reads is in the page cache (``mincore``); None: not local."""
+        local = [self.checkpoint.local_paths.get(f, f) for f in self.plan.files] if not self.checkpoint.remote else []
+        local = [p for p in local if os.path.isfile(p)]
+        return cached_fraction(local) if local else None
+
+    @property
+    def workers(self) -> int:
+        """Reader threads: the cores when the files are in the page cache, more when they must come from disk."""
+        return choose_workers(self.page_cache_fraction)
+
+    @property
+    def cold(self) -> bool:
+        """Files mostly not in the page cache: the stream then announces its reads ahead to the kernel."""
+        return self.page_cache_fraction is not None and self.page_cache_fraction < 0.9
 
     def estimate(self) -> PlanEstimate:
         """What ``execute`` will read, download and hold on this rank (the dry run's numbers)."""
         return estimate_plan(
             self.model, self.plan, self.checkpoint,
             rank=self.tp.tp_rank if self.tp is not None else 0,
-            chunk_bytes=self.stream_chunk_bytes, workers=DEFAULT_WORKERS,
+            chunk_bytes=self.stream_chunk_bytes, workers=self.workers,
             cached=self.checkpoint.local_paths, fetch=self.request.fetch,
         )
 
@@ -164,7 +182,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     try:
         for _, tensors, staged in stream(
             plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=prepared.stream_chunk_bytes,
-            weights_only=request.weights_only, stats=stats, paths=paths, source=source,
+            weights_only=request.weights_only, stats=stats, paths=paths, source=source, workers=prepared.workers,
+            read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold, mmap=request.mmap,
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info)
             peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
@@ -216,6 +235,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         notes=tuple(notes),
         shards=dict(plan.shards),
         commit=checkpoint.commit,
+        mapped_bytes=stats.mapped_bytes,
+        reader_workers=getattr(source, "workers", prepared.workers),
     )
     model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
     log_load(type(model).__name__, request.name_or_path, report)

@@ -18,7 +18,7 @@ from .distributed import check_distributed_config
 from .errors import UnsupportedArgumentError
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, parse_dtype, parse_overrides
-from .stream import DEFAULT_CHUNK_BYTES
+from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
 __all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request", "NOT_IMPLEMENTED"]
 
@@ -120,7 +120,11 @@ class LoadRequest:
     generation_config: Any = None
     output_loading_info: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Staging chunk size for dtype conversion and device copies."""
+    """Chunk size of each read and conversion (staging per worker where staging is needed)."""
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
+    """Reads in flight beyond the submodule being assigned (0: one submodule at a time)."""
+    mmap: bool = False
+    """Leave same-dtype CPU tensors with a contiguous slice as copy-on-write views of local safetensors files."""
     fetch: str = "files"
     """Hub loads: ``"files"`` (into the HF cache) or ``"ranges"`` (byte ranges into memory)."""
     tp: TPOptions = field(default_factory=TPOptions)
@@ -197,6 +201,8 @@ def make_request(
     low_cpu_mem_usage: bool | None = None,
     disable_mmap: bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+    mmap: bool = False,
     fetch: str = "files",
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,
@@ -233,6 +239,12 @@ def make_request(
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if not isinstance(read_ahead_bytes, int) or isinstance(read_ahead_bytes, bool) or read_ahead_bytes < 0:
+        raise ValueError(f"read_ahead_bytes must be an int >= 0 (0 reads one submodule at a time), got {read_ahead_bytes!r}.")
+    if not isinstance(mmap, bool):
+        raise ValueError(f"mmap must be True or False, got {mmap!r}.")
+    if mmap and disable_mmap:
+        raise ValueError("mmap=True and disable_mmap=True disagree; pass one of them.")
     if checkpoint_format not in (None, "dcp"):
         raise ValueError(
             f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
@@ -268,6 +280,8 @@ def make_request(
         generation_config=generation_config,
         output_loading_info=output_loading_info,
         chunk_bytes=chunk_bytes,
+        read_ahead_bytes=read_ahead_bytes,
+        mmap=mmap,
         fetch=fetch,
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),

@@ -242,6 +242,10 @@ class LoadReport:
     """Tensor parallelism: the slice of each sharded parameter this rank holds (empty without TP)."""
     commit: str | None = None
     """Hub loads: the commit every file came from."""
+    mapped_bytes: int = 0
+    """``mmap=True``: bytes of tensors that are copy-on-write views of checkpoint files (not in ``bytes_read``)."""
+    reader_workers: int = 0
+    """Reader threads the stream used (chosen from the cores and whether the files were in the page cache)."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

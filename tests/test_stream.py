@@ -2,13 +2,14 @@
 
 import mmap
 import os
+import shutil
 
 import pytest
 import torch
 import transformers
 
 from lowmem_hf.auto import AUTO_CLASSES
-from lowmem_hf.stream import _release_pages, chunk_spans
+from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS, _release_pages, cached_fraction, chunk_spans
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
 
@@ -29,7 +30,8 @@ def test_chunk_spans_cover_every_element_once(numel, itemsize, chunk, expected):
 @pytest.mark.parametrize("chunk_bytes", [1, 1000, 4096 + 6])
 @pytest.mark.parametrize("fmt", ["sharded", "bin"])
 def test_conversion_is_exact_at_any_chunk_size(make_checkpoint, fmt, chunk_bytes):
-    # The same staged path serves CUDA destinations (through a pinned buffer); here it runs on CPU.
+    # Local safetensors convert from the file mapping chunk by chunk; .bin from torch's mapping. (The staged
+    # path, which serves HTTP ranges and CUDA destinations, is exercised by test_hub's bf16 ranges loads.)
     path = make_checkpoint("llama", fmt)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, chunk_bytes=chunk_bytes)
@@ -87,3 +89,83 @@ def test_bin_report_counts_every_tensor_byte(make_checkpoint):
     tensor_bytes = sum(p.numel() * p.element_size() for p in Causal.from_pretrained(path).state_dict().values())
     assert report.bytes_read - report.header_bytes == tensor_bytes
     assert len(report.files_read) == 3
+
+
+@pytest.mark.parametrize("read_ahead_bytes", [0, 1, 10**9], ids=["one_submodule", "tiny_budget", "everything"])
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+def test_read_ahead_is_exact_at_any_budget(make_checkpoint, fmt, read_ahead_bytes):
+    path = make_checkpoint("llama", fmt)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, chunk_bytes=1000, read_ahead_bytes=read_ahead_bytes)
+    for name, t in ref.state_dict().items():
+        assert torch.equal(got.state_dict()[name], t), name
+
+
+def _file_backed(path: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if path in line]
+
+
+def test_mmap_leaves_same_dtype_tensors_as_copy_on_write_views(make_checkpoint):
+    path = make_checkpoint("llama", "sharded")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = Causal.from_pretrained(path, torch_dtype=torch.float32, mmap=True)
+    for name, t in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    report = model.lowmem_report
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.mapped_bytes == params  # every parameter is a whole stored tensor of the stored dtype
+    assert report.bytes_read == report.header_bytes  # nothing was copied
+    assert _file_backed(path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    before = [open(os.path.join(path, f), "rb").read() for f in files]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)  # the first write copies the page: the file never changes
+    assert [open(os.path.join(path, f), "rb").read() for f in files] == before
+    again = Causal.from_pretrained(path, torch_dtype=torch.float32)
+    assert torch.equal(again.lm_head.weight, ref.lm_head.weight)
+
+
+def test_mmap_copies_what_cannot_be_a_view(make_checkpoint):
+    path = make_checkpoint("llama", "sharded")
+    converted = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, mmap=True)
+    assert converted.lowmem_report.mapped_bytes == 0 and not _file_backed(path)
+    # local TP slices: a dim-0 slice is one contiguous run (a view), a dim-1 slice is not (copied)
+    sliced = Causal.from_pretrained(path, torch_dtype=torch.float32, mmap=True, tp_rank=0, tp_size=2)
+    shards = sliced.lowmem_report.shards
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert shards[q].dim == 0 and shards[o].dim == 1
+    views = {name for name, p in sliced.named_parameters() if _storage_is_file(p, path)}
+    assert q in views and o not in views
+
+
+def _storage_is_file(t: torch.Tensor, path: str) -> bool:
+    address = t.untyped_storage().data_ptr()
+    for line in _file_backed(path):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+def test_mmap_and_disable_mmap_disagree(make_checkpoint):
+    with pytest.raises(ValueError, match="mmap=True and disable_mmap=True disagree"):
+        Causal.from_pretrained(make_checkpoint("llama", "sharded"), mmap=True, disable_mmap=True)
+
+
+def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
+    path = shutil.copytree(make_checkpoint("llama", "sharded"), tmp_path / "llama")  # a copy nothing else maps
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    for f in files:
+        open(f, "rb").read()
+    assert cached_fraction(files) == 1.0
+    assert Causal.from_pretrained(path).lowmem_report.reader_workers == DEFAULT_WORKERS
+    for f in files:  # evict the (clean) pages: what a cold disk looks like to mincore
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)  # dirty pages (the copy was just written) cannot be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if cached_fraction(files) > 0.5:
+        pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
+    assert Causal.from_pretrained(path).lowmem_report.reader_workers == COLD_WORKERS
