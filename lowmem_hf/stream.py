@@ -26,6 +26,7 @@ are still yielded (and assigned) strictly in plan order.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import math
@@ -70,6 +71,8 @@ class StreamStats:
     notes: list[str] = field(default_factory=list)
     on_read: Callable[[int], None] | None = None
     """Called with the byte count of each finished tensor (the progress bar)."""
+    mapped_bytes: int = 0
+    """Bytes of tensors left as copy-on-write views of checkpoint files (``mmap=True``)."""
 
     def read(self, nbytes: int) -> None:
         self.bytes_read += nbytes
@@ -82,9 +85,6 @@ class StreamStats:
 
     def staged(self, nbytes: int) -> None:
         self.staging_bytes = max(self.staging_bytes, nbytes)
-
-    mapped_bytes: int = 0
-    """Bytes of tensors left as copy-on-write views of checkpoint files (``mmap=True``)."""
 
 
 def cached_fraction(paths: list[str]) -> float | None:
@@ -502,7 +502,7 @@ def stream(
     view = getattr(reader, "view", None)
 
     def submit(sub: SubmodulePlan) -> _InFlight:
-        tensors, pairs, nbytes = {}, [], 0
+        tensors, pairs = {}, []
         for r in sub.reads:
             mapped = view(r.source, r.decision.dtype, r.local_shape, r.shard, device) if view is not None else None
             if mapped is not None:
@@ -518,13 +518,12 @@ def stream(
             pairs += [(info, dst, None) for (_, info), dst in zip(c.sources, inputs)]
             stats.staged(sum(t.numel() * t.element_size() for t in inputs))
             staged.append((c, inputs))
-        for info, dst, shard in pairs:
-            nbytes += dst.numel() * info.dtype.itemsize
-            if hint is not None:
+        if hint is not None:
+            for info, _, shard in pairs:
                 hint(info, shard)
         jobs = [job for info, dst, shard in pairs for job in reader.jobs(info, dst, shard)]
         futures = [pool.submit(job) for job in jobs] if pool is not None else jobs
-        return _InFlight(sub, tensors, staged, pairs, futures, nbytes)
+        return _InFlight(sub, tensors, staged, pairs, futures, _read_bytes(sub))
 
     def finish(item: _InFlight) -> None:
         if pool is None:
@@ -536,20 +535,20 @@ def stream(
         for info, dst, _ in item.pairs:
             reader.done(info, dst.numel() * info.dtype.itemsize)
 
-    pending = list(plan.submodules)
-    pending.reverse()
-    window: list[_InFlight] = []
-    in_flight = 0
+    pending = collections.deque(plan.submodules)
+    window: collections.deque[_InFlight] = collections.deque()
+    ahead = 0  # bytes submitted beyond the submodule at the head of the window
     try:
         while pending or window:
-            # keep the next submodules' reads queued behind the current one, within the budget
-            while pending and (not window or pool is not None and in_flight + _read_bytes(pending[-1]) <= read_ahead_bytes + window[0].nbytes):
-                item = submit(pending.pop())
+            # queue the next submodules' reads behind the current one, within the budget (none without a pool)
+            while pending and (not window or pool is not None and ahead + _read_bytes(pending[0]) <= read_ahead_bytes):
+                item = submit(pending.popleft())
+                ahead += item.nbytes if window else 0
                 window.append(item)
-                in_flight += item.nbytes
-            head = window.pop(0)
+            head = window.popleft()
             finish(head)
-            in_flight -= head.nbytes
+            if window:
+                ahead -= window[0].nbytes  # the next one becomes the head
             yield head.sub, head.tensors, head.staged
     finally:
         if pool is not None:
@@ -558,6 +557,6 @@ def stream(
 
 
 def _read_bytes(sub: SubmodulePlan) -> int:
-    """Bytes a submodule reads (the read-ahead budget counts these)."""
+    """Bytes a submodule reads at most (the read-ahead budget counts these; ``mmap=True`` views read none)."""
     total = sum(math.prod(r.local_shape) * r.source.dtype.itemsize for r in sub.reads)
     return total + sum(math.prod(i.shape) * i.dtype.itemsize for c in sub.conversions for _, i in c.sources)
