@@ -40,7 +40,7 @@ def run(loader: str, path: Path, dtype: str, ranks: int, logdir: Path, tag: str)
     for rank in range(ranks):
         env = child_env()
         if ranks > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         log = open(logdir / f"usable-{tag}-{loader}-rank{rank}.stderr.log", "wb")
         logs.append(log)

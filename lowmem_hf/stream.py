@@ -54,8 +54,9 @@ DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024
 # Chunks are read by this many threads when the files are in the page cache: preadv and copy_ release the
 # GIL, so reading one chunk overlaps converting another; more threads than cores only add contention.
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
-# From a cold disk the threads mostly wait on I/O: more of them keep more requests queued.
-COLD_WORKERS = max(DEFAULT_WORKERS, min(8, 4 * (os.cpu_count() or 1)))
+# From a cold disk the threads mostly wait on I/O: more of them keep more requests queued. The ranks of a
+# node share its cores (torchrun's LOCAL_WORLD_SIZE), so each gets its part.
+COLD_WORKERS = max(DEFAULT_WORKERS, min(8, 4 * (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 # Linux returns at most this many bytes from one read/preadv call.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
 _MADV_DONTNEED = 4
