@@ -57,6 +57,9 @@ def main():
             with open(args.losses_out, "w") as f:
                 json.dump(recorder.losses, f)
     if torch.distributed.is_initialized():
+        # both ranks leave their last collective before either tears the group down: a rank that exits while its
+        # peer's gloo thread still talks to it can abort the peer ("terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
