@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Iterable, Mapping
 
@@ -83,6 +84,11 @@ class HttpRanges:
 
     def __init__(self, remote: Mapping[str, RemoteFile], *, token=None, local: Mapping[str, str] | None = None):
         self._remote = remote
+        self._count = threading.Lock()
+        self.requests = 0
+        """HTTP requests made (a resumed request counts again)."""
+        self.bytes_fetched = 0
+        """Body bytes received from the network."""
         self._headers = build_hf_headers(token=token)
         self._headers["Accept-Encoding"] = "identity"  # sizes and offsets are of the raw bytes
         self._local = None
@@ -102,6 +108,7 @@ class HttpRanges:
             if received == len(view):
                 return
             headers = dict(self._headers, Range=f"bytes={offset + received}-{end - 1}")
+            before = received
             try:
                 with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True) as response:
                     hf_raise_for_status(response)
@@ -112,6 +119,10 @@ class HttpRanges:
                         received += take
             except (_httpx.TransportError, _httpx.StreamError):
                 pass  # resume below from the last byte received
+            finally:
+                with self._count:
+                    self.requests += 1
+                    self.bytes_fetched += received - before
             if received < len(view):
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         if received < len(view):

@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
@@ -30,6 +31,7 @@ from transformers.utils.loading_report import LoadStateDictInfo
 from . import assign as _assign
 from . import dcp as _dcp
 from .errors import CheckpointNotFoundError, UnsupportedArgumentError
+from .exchange import CooperativeRanges
 from .fetch import HttpRanges, fetch_files
 from .hub import pin_revision, resolve_hub
 from .logs import log_load
@@ -161,7 +163,13 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
     paths, source = checkpoint.local_paths, None
     if checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
-        source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # under a process group the ranks fetch together: each byte once, in large spans (exchange.py)
+            source = CooperativeRanges(
+                checkpoint.remote, plan, token=request.hub.token, local=checkpoint.local_paths, span_bytes=request.fetch_span_bytes
+            )
+        else:
+            source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
     elif checkpoint.repo_id is not None:
         paths = fetch_files(checkpoint, plan.files, hub, tqdm_class=request.tqdm_class)
     elif checkpoint.format == CheckpointFormat.DCP:
@@ -237,6 +245,9 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         commit=checkpoint.commit,
         mapped_bytes=stats.mapped_bytes,
         reader_workers=getattr(source, "workers", prepared.workers),
+        requests=getattr(source, "requests", 0),
+        bytes_fetched=getattr(source, "bytes_fetched", 0),
+        bytes_received=getattr(source, "bytes_received", 0),
     )
     model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
     log_load(type(model).__name__, request.name_or_path, report)

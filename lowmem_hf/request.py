@@ -127,6 +127,8 @@ class LoadRequest:
     """Leave same-dtype CPU tensors with a contiguous slice as copy-on-write views of local safetensors files."""
     fetch: str = "files"
     """Hub loads: ``"files"`` (into the HF cache) or ``"ranges"`` (byte ranges into memory)."""
+    fetch_span_bytes: int = 16 * 1024 * 1024
+    """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
     tp: TPOptions = field(default_factory=TPOptions)
     config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
@@ -204,6 +206,7 @@ def make_request(
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     mmap: bool = False,
     fetch: str = "files",
+    fetch_span_bytes: int = 16 * 1024 * 1024,
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
@@ -245,6 +248,8 @@ def make_request(
         raise ValueError(f"mmap must be True or False, got {mmap!r}.")
     if mmap and disable_mmap:
         raise ValueError("mmap=True and disable_mmap=True disagree; pass one of them.")
+    if not isinstance(fetch_span_bytes, int) or isinstance(fetch_span_bytes, bool) or fetch_span_bytes < 1:
+        raise ValueError(f"fetch_span_bytes must be a positive int, got {fetch_span_bytes!r}.")
     if checkpoint_format not in (None, "dcp"):
         raise ValueError(
             f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
@@ -283,6 +288,7 @@ def make_request(
         read_ahead_bytes=read_ahead_bytes,
         mmap=mmap,
         fetch=fetch,
+        fetch_span_bytes=fetch_span_bytes,
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,

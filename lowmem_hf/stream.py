@@ -501,8 +501,13 @@ def stream(
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
     hint = getattr(reader, "hint", None) if read_ahead_hints else None  # ~0.1 ms per call even when cached
     view = getattr(reader, "view", None)
+    before = getattr(source, "before_submodule", None)  # the cooperative fetch runs its waves from here
+    if getattr(source, "read_ahead", True) is False:
+        read_ahead_bytes = 0
 
     def submit(sub: SubmodulePlan) -> _InFlight:
+        if before is not None:
+            before(sub.name)
         tensors, pairs = {}, []
         for r in sub.reads:
             mapped = view(r.source, r.decision.dtype, r.local_shape, r.shard, device) if view is not None else None

@@ -246,6 +246,12 @@ class LoadReport:
     """``mmap=True``: bytes of tensors that are copy-on-write views of checkpoint files (not in ``bytes_read``)."""
     reader_workers: int = 0
     """Reader threads the stream used (chosen from the cores and whether the files were in the page cache)."""
+    requests: int = 0
+    """``fetch="ranges"``: HTTP requests this process made."""
+    bytes_fetched: int = 0
+    """``fetch="ranges"``: body bytes this process received from the network."""
+    bytes_received: int = 0
+    """Cooperative fetch (``fetch="ranges"`` under a process group): bytes received from other ranks."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

@@ -74,7 +74,9 @@ def test_cut_connection_still_loads_identical_weights(hf_hub, make_checkpoint, f
     hf_hub.cut_next(1000, count=6 + 2, path="*.safetensors")
     got, report = Causal.from_pretrained("org/llama", fetch=fetch, output_loading_info=True)
     assert_same(got, Causal.from_pretrained(local))
-    assert sum(r.cut for r in hf_hub.requests) == 2
+    # the 7th and 8th GETs are cut if longer than the cut; which reads they are depends on the order concurrent
+    # reads reach the server (a small norm weight may be one of them), so at least one body was really cut
+    assert 1 <= sum(r.cut for r in hf_hub.requests) <= 2
 
 
 def test_remote_file_that_changed_size_is_an_error_naming_it(hf_hub, make_checkpoint, tmp_path):
@@ -154,7 +156,8 @@ def _tp_worker(rank, world, port, url, homes, out):
                 for n, p in model.named_parameters() if n in report.dtype_decisions
             )
             torch.save({"bytes_read": report.bytes_read, "header_bytes": report.header_bytes, "local": local,
-                        "cached": cached_weight_files(homes[rank])}, os.path.join(out, f"{rank}.pt"))
+                        "cached": cached_weight_files(homes[rank]), "fetched": report.bytes_fetched,
+                        "received": report.bytes_received, "requests": report.requests}, os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -178,7 +181,10 @@ def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
         assert r["bytes_read"] - r["header_bytes"] == r["local"]  # its slices + replicated tensors, nothing else
         assert r["cached"] == []
     index = os.path.getsize(tmp_path / "tp" / "model.safetensors.index.json")
-    assert transferred == sum(r["bytes_read"] - index for r in ranks)
+    # the ranks fetch together (exchange.py): each tensor byte once, plus every rank's header reads
+    assert transferred == sum(r["fetched"] + r["header_bytes"] - index for r in ranks)
+    assert sum(r["fetched"] for r in ranks) == checkpoint - sum(r["header_bytes"] - index for r in ranks[:1])
+    assert all(r["received"] > 0 for r in ranks)
 
 
 def test_files_mode_downloads_only_the_files_the_plan_touches(hf_hub, make_checkpoint, tmp_path):

@@ -1,0 +1,146 @@
+"""Cooperative Hub fetch: ranks on separate caches fetch each checkpoint byte once, in large spans, and hand each
+other the pieces over the process group; a rank that dies or a file that changes fails every rank by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+
+from test_hub import weight_files
+from lowmem_hf.exchange import schedule_spans
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")
+SPAN = 256 * 1024
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_schedule_covers_the_union_once_in_spans_shared_evenly():
+    # rank 0 and 1 need disjoint halves of "a" (a dim-1 slice: alternating runs) and both need "b" (replicated)
+    runs = [
+        [("l0", "a", i * 100, i * 100 + 50) for i in range(40)] + [("l1", "b", 0, 1000)],
+        [("l0", "a", i * 100 + 50, i * 100 + 100) for i in range(40)] + [("l1", "b", 0, 1000)],
+    ]
+    wave_of, waves = schedule_spans(runs, span_bytes=300, wave_bytes=10_000)
+    spans = [s for wave in waves for s in wave]
+    assert wave_of == {"l0": 0, "l1": 0}
+    assert [(s.file, s.start, s.stop) for s in spans] == [
+        ("a", 0, 300), ("a", 300, 600), ("a", 600, 900), ("a", 900, 1200), ("a", 1200, 1500), ("a", 1500, 1800),
+        ("a", 1800, 2100), ("a", 2100, 2400), ("a", 2400, 2700), ("a", 2700, 3000), ("a", 3000, 3300),
+        ("a", 3300, 3600), ("a", 3600, 3900), ("a", 3900, 4000), ("b", 0, 300), ("b", 300, 600), ("b", 600, 900),
+        ("b", 900, 1000),
+    ]  # each byte of the union once ("b" once, not once per rank), no span over 300 bytes
+    owned = [sum(s.stop - s.start for s in spans if s.owner == r) for r in (0, 1)]
+    assert abs(owned[0] - owned[1]) <= 300
+    _, small_waves = schedule_spans(runs, span_bytes=300, wave_bytes=1)
+    assert len(small_waves) == 2  # one wave per submodule, in plan order
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_repo(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("exchange") / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")
+    return path
+
+
+def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None):
+    port, procs = _free_port(), []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p))
+        argv = [sys.executable, SCRIPT, "--hub", hub.url, "--home", str(tmp_path / f"node{rank}"), "--repo", "org/tp",
+                "--local", str(tp_repo), "--out", str(tmp_path), "--span", str(SPAN)]
+        if kill and rank in kill:
+            argv += ["--kill-after", str(kill[rank])]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs, timeout: float):
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            err = "TIMED OUT\n" + err
+        out.append((p.returncode, err))
+    return out
+
+
+def test_four_nodes_fetch_each_byte_once_in_few_requests(hub_server, tp_repo, tmp_path):
+    hub_server.add_repo("org/tp", tp_repo)
+    hub_server.throttle_bytes_per_s = 400e6  # per connection
+    hub_server.latency_s = 0.020  # per request
+    hub_server.reset_counters()
+    results = _finish(_launch(hub_server, tp_repo, tmp_path, 4), timeout=240)
+    assert all(code == 0 for code, _ in results), "\n".join(err[-3000:] for _, err in results)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    assert all(r["different"] == [] for r in ranks)  # bit-identical to a local load at the same tp_size
+    files = weight_files(tp_repo)
+    checkpoint = sum(os.path.getsize(tp_repo / f) for f in files)
+    sent = sum(hub_server.bytes_for("org/tp", f) for f in files)
+    assert sent <= 1.02 * checkpoint, (sent, checkpoint)
+    bound = checkpoint / 4 / SPAN + 2 * len(files) + 10
+    assert all(r["requests"] <= bound for r in ranks), ([r["requests"] for r in ranks], bound)
+    # what the server saw on the weight files: every rank's header reads (planning) and the spans
+    weight_requests = [q for q in hub_server.requests if q.filename in files and q.method == "GET"]
+    assert len(weight_requests) / 4 <= bound, (len(weight_requests), bound)
+    assert sum(r["fetched"] for r in ranks) < checkpoint and all(r["received"] > 0 for r in ranks)
+
+
+def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, tmp_path):
+    hub_server.add_repo("org/tp", tp_repo)
+    hub_server.cut_after_bytes = 100_000  # every response breaks before a span is through
+    results = _finish(_launch(hub_server, tp_repo, tmp_path, 2), timeout=240)
+    assert all(code == 0 for code, _ in results), "\n".join(err[-3000:] for _, err in results)
+    assert all(json.load(open(tmp_path / f"rank{r}.json"))["different"] == [] for r in range(2))
+
+
+def test_a_killed_rank_makes_every_other_rank_fail_naming_it(hub_server, tp_repo, tmp_path):
+    hub_server.add_repo("org/tp", tp_repo)
+    hub_server.throttle_bytes_per_s = 100e3  # slow enough that the exchange is still running when rank 3 dies
+    started = time.monotonic()
+    results = _finish(_launch(hub_server, tp_repo, tmp_path, 4, kill={3: 4.0}), timeout=120)
+    assert results[3][0] == 17  # the killed one
+    for code, err in results[:3]:
+        assert code != 0 and "TIMED OUT" not in err
+        assert "rank(s) [3]" in err, err[-3000:]
+    assert time.monotonic() - started < 4.0 + 60 + 15  # killed 4 s into the run; 60 s to notice; ~15 s start-up
+
+
+def test_a_file_that_changes_mid_load_fails_every_rank(hub_server, tp_repo, tmp_path):
+    hub_server.add_repo("org/tp", tp_repo)
+    target = sorted(weight_files(tp_repo))[0]
+    grown = (tp_repo / target).read_bytes() + b"\0" * 4096
+
+    def first_span(record) -> bool:  # not the planning reads of the header: the first span request of the file
+        if record.method != "GET" or record.filename != target or not record.range:
+            return False
+        start, _, end = record.range.removeprefix("bytes=").partition("-")
+        return int(end) - int(start) + 1 >= 64 * 1024
+
+    hub_server.replace_file("org/tp", target, grown, when=first_span)
+    results = _finish(_launch(hub_server, tp_repo, tmp_path, 2), timeout=240)
+    for code, err in results:
+        assert code != 0 and "RemoteFileChangedError" in err and target in err, err[-3000:]
