@@ -56,8 +56,11 @@ class LowMemAutoModelBase:
             generation_config: a ``GenerationConfig`` to use instead of the folder's ``generation_config.json``.
             output_loading_info: also return the ``LoadReport``.
             low_cpu_mem_usage: accepted for compatibility; lowmem_hf always streams (transformers 5 ignores it too).
-            disable_mmap: accepted for compatibility; lowmem_hf never memory-maps safetensors.
-            chunk_bytes: the staging chunk size for dtype conversion and device copies.
+            disable_mmap: accepted for compatibility (lowmem_hf memory-maps nothing unless ``mmap=True``).
+            mmap: leave same-dtype CPU tensors whose slice is contiguous as copy-on-write views of local
+                safetensors files (inference; the file must not change while the model lives). Default: owned memory.
+            chunk_bytes: the chunk size of each read and conversion (staging per reader thread where needed).
+            read_ahead_bytes: reads of the next submodules in flight while one is assigned (default 64 MiB; 0: none).
             tp_plan: tensor parallelism: ``"auto"`` (the model's own plan: ``_tp_plan`` merged with
                 ``config.base_model_tp_plan``) or a dict of rules overriding it. Under a process group (or
                 torchrun) the model is sharded by transformers' TP engine and each rank reads only its slices;
@@ -76,6 +79,10 @@ class LowMemAutoModelBase:
             fetch: for Hub repos: ``"files"`` downloads into the HF cache only the shard files this rank's plan
                 touches; ``"ranges"`` fetches only the planned byte ranges into memory and writes no shard to
                 disk (safetensors only; ``.bin`` shards are always fetched whole). Ignored for local folders.
+                Under a process group, ``"ranges"`` is the cooperative fetch (``lowmem_hf.exchange``): each byte is
+                fetched once by one rank, in spans of at most ``fetch_span_bytes`` (default 16 MiB), and the
+                ranks send each other the pieces over the group.
+            fetch_span_bytes: the largest span one request of the cooperative fetch asks for.
             **config_overrides: config attributes to override (``num_labels=3``), or arguments of the model's
                 ``__init__``, exactly as transformers routes them.
 
