@@ -170,14 +170,18 @@ class CooperativeRanges:
             self._run_next_wave()
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
-        starts, spans = self._buffers[file]
+        starts, spans = self._buffers.get(file, ((), ()))
         i = bisect.bisect_right(starts, offset) - 1
         done = 0
         while done < len(view):
-            span, data = spans[i]
-            at = offset + done - span.start
+            span, data = spans[i] if 0 <= i < len(spans) else (None, None)
+            at = offset + done - span.start if span is not None else -1
             if not 0 <= at < span.stop - span.start:
-                raise LowMemError(f"{file}: bytes at {offset + done} are not in the current wave (a lowmem_hf bug)")
+                # every rank's submodules come in one model order, so a read always falls in the current wave
+                raise LowMemError(
+                    f"{file}: bytes at {offset + done} are not in cooperative-fetch wave {self._next_wave - 1}; the "
+                    "ranks' plans disagree on the submodule order (a lowmem_hf bug: please report it)."
+                )
             take = min(len(view) - done, span.stop - span.start - at)
             view[done : done + take] = memoryview(data.numpy())[at : at + take]
             done += take
