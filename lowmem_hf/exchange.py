@@ -15,7 +15,9 @@ and every rank fetches the replicated tensors again; here the ranks fetch togeth
    ``RemoteFileChangedError`` everywhere. Then each span is broadcast from its owner (gloo on CPU), and the
    readers copy their bytes out of the wave's spans.
 
-Memory: one wave of spans beyond the model (``wave_bytes``, default 64 MiB, at least two spans per rank).
+Memory: one wave of spans beyond the model (``wave_bytes``, default 64 MiB, at least two spans per rank), plus
+this rank's spans of the next wave, whose requests start as soon as this wave's are done: the network works on
+wave k+1 while wave k is exchanged and read.
 The process group's store carries the statuses because a store wait has a timeout and tells which key (rank)
 is missing, where a gloo collective with a dead peer only fails, or hangs until the group's timeout.
 """
@@ -147,6 +149,8 @@ class CooperativeRanges:
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._next_wave = 0
         self._failed = False
+        self._pool = ThreadPoolExecutor(max_workers=_FETCH_THREADS, thread_name_prefix="lowmem-fetch")
+        self._fetching: dict[int, tuple[dict, list]] = {}  # wave -> (buffers of this rank's spans, their requests)
         self._buffers: dict[str, tuple[list[int], list[tuple[Span, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
         self._tag = self._broadcast_tag()  # this load's store keys, unique per load
@@ -196,7 +200,8 @@ class CooperativeRanges:
             while not self._failed and self._next_wave < len(self._waves):
                 self._run_next_wave()
         finally:
-            self._buffers = {}
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._buffers, self._fetching = {}, {}
             self._http.close()
 
     # -- one wave ----------------------------------------------------------------------------------------------
@@ -209,21 +214,30 @@ class CooperativeRanges:
             raise
         self._next_wave += 1
 
+    def _start_fetch(self, index: int) -> None:
+        """Submit this rank's span requests of wave ``index`` (into buffers of their own)."""
+        mine = [s for s in self._waves[index] if s.owner == self._rank]
+        data = {id(s): torch.empty(s.stop - s.start, dtype=torch.uint8) for s in mine}
+        self._fetching[index] = (data, [self._pool.submit(self._fetch, s, data[id(s)]) for s in mine])
+
     def _run_wave(self, index: int) -> None:
         self._buffers = {}  # every read of the previous wave has finished (no read-ahead)
         spans = self._waves[index]
-        data = {id(s): torch.empty(s.stop - s.start, dtype=torch.uint8) for s in spans}
-        mine = [s for s in spans if s.owner == self._rank]
+        if index not in self._fetching:
+            self._start_fetch(index)
+        data, futures = self._fetching.pop(index)
         status = "ok"
         try:
-            with ThreadPoolExecutor(max_workers=_FETCH_THREADS) as pool:
-                for s, future in [(s, pool.submit(self._fetch, s, data[id(s)])) for s in mine]:
-                    future.result()
+            for future in futures:
+                future.result()
         except RemoteFileChangedError as error:
             status = "changed:" + str(error)
         except Exception as error:  # noqa: BLE001 - reported to every rank below, then raised here too
             status = f"error:{type(error).__name__}: {error}"
+        if status == "ok" and index + 1 < len(self._waves):
+            self._start_fetch(index + 1)  # the network works on the next wave while this one is exchanged and read
         self._agree(index, status)
+        data.update((id(s), torch.empty(s.stop - s.start, dtype=torch.uint8)) for s in spans if id(s) not in data)
         for s in spans:
             try:
                 dist.broadcast(data[id(s)], src=s.owner, group=self._group)
