@@ -180,7 +180,7 @@ class CooperativeRanges:
         while done < len(view):
             span, data = spans[i] if 0 <= i < len(spans) else (None, None)
             at = offset + done - span.start if span is not None else -1
-            if not 0 <= at < span.stop - span.start:
+            if span is None or not 0 <= at < span.stop - span.start:
                 # every rank's submodules come in one model order, so a read always falls in the current wave
                 raise LowMemError(
                     f"{file}: bytes at {offset + done} are not in cooperative-fetch wave {self._next_wave - 1}; the "
