@@ -14,10 +14,12 @@ from .errors import (
     LowMemError,
     MissingKeyError,
     MissingShardError,
+    RankFailedError,
     ShapeMismatchError,
     UnsupportedArgumentError,
     UnsupportedConversionError,
 )
+from .fetch import RemoteFileChangedError
 from .load import PreparedLoad, execute, prepare
 from .patch import is_patched, patch_transformers, unpatch_transformers
 from .request import LoadRequest, make_request
@@ -56,5 +58,7 @@ __all__ = [
     "UnsupportedConversionError",
     "UnsupportedArgumentError",
     "IncompleteLoadError",
+    "RankFailedError",
+    "RemoteFileChangedError",
     *sorted(AUTO_CLASSES),
 ]

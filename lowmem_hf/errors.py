@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedConversionError",
     "IncompleteLoadError",
     "UnsupportedArgumentError",
+    "RankFailedError",
 ]
 
 
@@ -61,3 +62,7 @@ class UnsupportedArgumentError(LowMemError, NotImplementedError):
     def __init__(self, argument: str, message: str):
         super().__init__(message)
         self.argument = argument
+
+
+class RankFailedError(LowMemError, RuntimeError):
+    """Another rank of a cooperative Hub fetch died or failed; the message names it."""

@@ -35,21 +35,17 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import LowMemError
+from .errors import LowMemError, RankFailedError
 from .fetch import HttpRanges, RemoteFileChangedError
 from .plan.sharding import element_runs
 from .types import LoadPlan, RemoteFile
 
-__all__ = ["CooperativeRanges", "RankFailedError", "schedule_spans", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
+__all__ = ["CooperativeRanges", "schedule_spans", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
 
 DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 30.0
 _FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency
-
-
-class RankFailedError(LowMemError, RuntimeError):
-    """Another rank of a cooperative fetch died or failed; the message names it."""
 
 
 @dataclass(frozen=True)
