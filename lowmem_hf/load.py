@@ -214,6 +214,11 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     decisions = decisions_of(plan)
     _assign.check_loaded(model, decisions, request.device)
 
+    if stats.band_extra_bytes:
+        stats.notes.append(
+            f"fetch='ranges': slices along dim 1 were fetched as whole row bands, one request per band instead of one "
+            f"per row; that cost {stats.band_extra_bytes} bytes beyond the slices ({stats.band_extra_bytes / 2**20:.1f} MiB)."
+        )
     notes = list(stats.notes) + [
         f"{src} duplicates {dst}; transformers keeps the first, so it was not read" for src, dst in prepared.mapping.duplicates
     ]

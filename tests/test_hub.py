@@ -138,6 +138,22 @@ def test_missing_repo_revision_or_file_is_named(hf_hub, make_checkpoint, repo, k
         assert w in str(e.value)
 
 
+def test_one_process_fetches_dim1_slices_as_row_bands(hf_hub, make_checkpoint):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    hf_hub.reset_counters()
+    got, report = Causal.from_pretrained("org/llama", fetch="ranges", tp_rank=1, tp_size=2, output_loading_info=True)
+    assert_same(got, Causal.from_pretrained(local, tp_rank=1, tp_size=2))
+    rowwise = report.shards["model.layers.0.self_attn.o_proj.weight"]
+    assert rowwise.dim == 1
+    rows = sum(got.get_parameter(n).shape[0] for n, s in report.shards.items() if s.dim == 1)
+    gets = [q for q in hf_hub.requests if q.method == "GET" and q.filename.endswith(".safetensors")]
+    assert len(gets) < rows // 4  # bands, not one request per row
+    note = next(n for n in report.notes if "row bands" in n)
+    extra = int(note.split(" bytes beyond")[0].rsplit(" ", 1)[1])
+    assert extra > 0 and report.bytes_fetched == report.bytes_read - report.header_bytes + extra
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
