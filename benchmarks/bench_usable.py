@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir).resolve()
     logdir = workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    st = make_llama_checkpoint(workdir, args.size_gb, "float32")
+    st = make_llama_checkpoint(workdir, args.size_gb, torch.float32)
     paths = {"safetensors": st}
     if any(CASES[c][0] == "bin" for c in args.cases):
         paths["bin"] = make_bin_twin(st, workdir / (st.name + "-bin"))

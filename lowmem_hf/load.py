@@ -41,7 +41,7 @@ from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import DEFAULT_WORKERS, StreamStats, cached_fraction, choose_workers, staging_chunk_bytes, stream
+from .stream import DEFAULT_WORKERS, GAP_BYTES, StreamStats, cached_fraction, choose_workers, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -192,6 +192,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
             plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=prepared.stream_chunk_bytes,
             weights_only=request.weights_only, stats=stats, paths=paths, source=source, workers=prepared.workers,
             read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold, mmap=request.mmap,
+            gap_bytes=0 if prepared.cold else GAP_BYTES,
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info)
             peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
@@ -249,6 +250,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         shards=dict(plan.shards),
         commit=checkpoint.commit,
         mapped_bytes=stats.mapped_bytes,
+        gap_bytes=stats.gap_bytes,
         reader_workers=getattr(source, "workers", prepared.workers),
         requests=getattr(source, "requests", 0),
         bytes_fetched=getattr(source, "bytes_fetched", 0),

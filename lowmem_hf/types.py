@@ -252,6 +252,10 @@ class LoadReport:
     """``fetch="ranges"``: body bytes this process received from the network."""
     bytes_received: int = 0
     """Cooperative fetch (``fetch="ranges"`` under a process group): bytes received from other ranks."""
+    gap_bytes: int = 0
+    """Sliced tensors from local files in the page cache: bytes between a slice's runs (e.g. the other ranks' part
+    of each row) copied by the same read and dropped, so a slice costs a few calls instead of one per row. Not in
+    ``bytes_read``; never read from a cold disk (there each run is its own read)."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

@@ -178,6 +178,7 @@ def _load_and_check(path: str, sizes: dict, ids: torch.Tensor, forward: bool = T
         "rchar": rchar,
         "local_bytes": sum(_local(p.data).numel() * p.element_size() for p in loaded),
         "header_bytes": report.header_bytes,
+        "gap_bytes": report.gap_bytes,
         "placements": sorted({str(tuple(p.data.placements)) for p in loaded if hasattr(p.data, "placements")}),
     }
 
@@ -238,9 +239,10 @@ def _check_rank(results: dict, rank: int) -> None:
             continue
         assert not r["problems"], (rank, case, r["problems"])
         assert r["max_diff"] is None or r["max_diff"] < 1e-4, (rank, case, r["max_diff"])
-        # this rank's shards + replicated tensors (all counted in local_bytes) + headers, within 2%
+        # this rank's shards + replicated tensors (all counted in local_bytes) + headers, within 2%, plus what the
+        # report says was copied between the runs of dim-1 slices (files in the page cache: one read per row band)
         if "+options" not in case:
-            assert r["rchar"] <= (r["local_bytes"] + r["header_bytes"]) * 1.02, (rank, case, r)
+            assert r["rchar"] <= (r["local_bytes"] + r["header_bytes"]) * 1.02 + r["gap_bytes"], (rank, case, r)
 
 
 def test_fsdp2_ranks_load_their_shards_like_transformers(checkpoints, tmp_path):

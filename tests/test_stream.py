@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from lowmem_hf.auto import AUTO_CLASSES
-from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS, _release_pages, cached_fraction, chunk_spans
+from lowmem_hf.errors import CorruptCheckpointError
+from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS, GAP_BYTES, LocalFiles, _release_pages, cached_fraction, chunk_spans
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
 
@@ -30,8 +31,7 @@ def test_chunk_spans_cover_every_element_once(numel, itemsize, chunk, expected):
 @pytest.mark.parametrize("chunk_bytes", [1, 1000, 4096 + 6])
 @pytest.mark.parametrize("fmt", ["sharded", "bin"])
 def test_conversion_is_exact_at_any_chunk_size(make_checkpoint, fmt, chunk_bytes):
-    # Local safetensors convert from the file mapping chunk by chunk; .bin from torch's mapping. (The staged
-    # path, which serves HTTP ranges and CUDA destinations, is exercised by test_hub's bf16 ranges loads.)
+    # Local safetensors: preadv into a staging chunk, converted by copy_; .bin from torch's mapping, chunk by chunk.
     path = make_checkpoint("llama", fmt)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, chunk_bytes=chunk_bytes)
@@ -160,7 +160,9 @@ def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
     for f in files:
         open(f, "rb").read()
     assert cached_fraction(files) == 1.0
-    assert Causal.from_pretrained(path).lowmem_report.reader_workers == DEFAULT_WORKERS
+    warm = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
+    assert warm.reader_workers == DEFAULT_WORKERS
+    assert warm.gap_bytes > 0  # row-wise slices: the other rank's half of each row copied by the same read
     for f in files:  # evict the (clean) pages: what a cold disk looks like to mincore
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)  # dirty pages (the copy was just written) cannot be evicted
@@ -168,4 +170,56 @@ def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
         os.close(fd)
     if cached_fraction(files) > 0.5:
         pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
-    assert Causal.from_pretrained(path).lowmem_report.reader_workers == COLD_WORKERS
+    cold = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
+    assert cold.reader_workers == COLD_WORKERS
+    assert cold.gap_bytes == 0  # from a cold disk a gap would be device reads for nothing
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 4096), (8192, 4096), (16384, 4096)],  # a 2-rank row-wise slice: 4 KiB runs, 4 KiB gaps, one call
+        [(0, 100), (100 + 40 * 1024, 100)],  # a gap too wide to read through: two calls
+        [(i * 24, 8) for i in range(3000)],  # more runs than one preadv may take (IOV_MAX)
+        [(0, 10), (10, 10)],  # adjacent runs: no gap buffer between them
+    ],
+)
+def test_read_runs_fills_each_run_and_nothing_else(tmp_path, runs):
+    payload = os.urandom(runs[-1][0] + runs[-1][1] + 64)
+    path = tmp_path / "blob"
+    path.write_bytes(payload)
+    outs = [bytearray(n) for _, n in runs]
+    files = LocalFiles(gap_bytes=GAP_BYTES)
+    files.read_runs(str(path), [(memoryview(o), offset) for o, (offset, _) in zip(outs, runs)])
+    files.close()
+    assert [bytes(o) for o in outs] == [payload[offset : offset + n] for offset, n in runs]
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(runs, runs[1:])]
+    read_through = sum(g for g in gaps if g <= GAP_BYTES)  # less one gap per ~500 runs (a call takes 1024 buffers)
+    assert read_through - len(runs) // 500 * 16 <= files.gap_bytes_read <= read_through
+
+
+def test_read_runs_names_a_file_cut_inside_a_gathered_read(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(10_000))
+    files = LocalFiles(gap_bytes=GAP_BYTES)
+    with pytest.raises(CorruptCheckpointError, match=r"blob: expected 4000 bytes at offset 8000, the file ended after 2000"):
+        files.read_runs(str(path), [(memoryview(bytearray(4000)), 0), (memoryview(bytearray(4000)), 8000)])
+    files.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 1024 + 8, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_bands_of_dim1_slices_are_exact(make_checkpoint, chunk_bytes, dtype):
+    # A 2-rank row-wise slice from files in the page cache: bands of whole rows read by one call each and copied
+    # strided (3 KiB chunks: bands of 6 rows of down_proj, 128 fp32 wide); 1-byte chunks: a row is over the chunk,
+    # so each element is its own read and nothing is read between runs.
+    path = make_checkpoint("llama", "sharded")
+    full = Causal.from_pretrained(path, torch_dtype=dtype).state_dict()
+    kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    model, report = Causal.from_pretrained(path, torch_dtype=dtype, tp_rank=1, tp_size=2, output_loading_info=True, **kwargs)
+    assert report.shards["model.layers.0.mlp.down_proj.weight"].dim == 1
+    assert (report.gap_bytes > 0) == (chunk_bytes != 1)
+    for name, t in model.state_dict().items():
+        spec = report.shards.get(name)
+        expected = full[name].narrow(spec.dim, spec.start, spec.stop - spec.start) if spec else full[name]
+        assert torch.equal(t, expected), name
