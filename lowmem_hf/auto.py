@@ -57,8 +57,10 @@ class LowMemAutoModelBase:
             output_loading_info: also return the ``LoadReport``.
             low_cpu_mem_usage: accepted for compatibility; lowmem_hf always streams (transformers 5 ignores it too).
             disable_mmap: accepted for compatibility (lowmem_hf memory-maps nothing unless ``mmap=True``).
-            mmap: leave same-dtype CPU tensors whose slice is contiguous as copy-on-write views of local
-                safetensors files (inference; the file must not change while the model lives). Default: owned memory.
+            mmap: leave every loaded tensor as a copy-on-write view of its local safetensors file (inference on
+                CPU; the file must not change while the model lives). Refused (``ValueError``, before any read)
+                where a tensor cannot be a view: a dtype change, a dim-1 TP slice, a non-CPU device, ``.bin``/DCP,
+                ``fetch='ranges'``, tensors transformers merges. Default: owned memory.
             chunk_bytes: the chunk size of each read and conversion (staging per reader thread where needed).
             read_ahead_bytes: reads of the next submodules in flight while one is assigned (default 64 MiB; 0: none).
             tp_plan: tensor parallelism: ``"auto"`` (the model's own plan: ``_tp_plan`` merged with

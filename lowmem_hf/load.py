@@ -41,7 +41,7 @@ from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_local
-from .stream import DEFAULT_WORKERS, GAP_BYTES, StreamStats, cached_fraction, choose_workers, staging_chunk_bytes, stream
+from .stream import DEFAULT_WORKERS, GAP_BYTES, StreamStats, cached_fraction, check_mmap, choose_workers, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
@@ -71,8 +71,7 @@ class PreparedLoad:
         """The stream's chunk size: the requested one for HTTP ranges and DCP chunks, else capped so staging
         stays small next to what this rank loads (``staging_chunk_bytes``)."""
         checkpoint = self.checkpoint
-        ranged = bool(checkpoint.remote) and self.request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS
-        if ranged or checkpoint.format == CheckpointFormat.DCP:
+        if not _reads_local_files(self.request, checkpoint) or checkpoint.format == CheckpointFormat.DCP:
             return self.request.chunk_bytes
         return staging_chunk_bytes(self.plan, self.request.chunk_bytes, self.workers)
 
@@ -147,7 +146,14 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
     if checkpoint.format == CheckpointFormat.DCP:
         _dcp.check_complete(model, plan, checkpoint)
+    if request.mmap:
+        check_mmap(plan, checkpoint_format=checkpoint.format, local=_reads_local_files(request, checkpoint), device=request.device)
     return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started)
+
+
+def _reads_local_files(request: LoadRequest, checkpoint) -> bool:
+    """False when the tensor bytes come over HTTP ranges into memory (``fetch='ranges'``), never into a local file."""
+    return not (checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS)
 
 
 def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
@@ -162,7 +168,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
 
     # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
     paths, source = checkpoint.local_paths, None
-    if checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS:
+    if not _reads_local_files(request, checkpoint):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # under a process group the ranks fetch together: each byte once, in large spans (exchange.py)
             source = CooperativeRanges(

@@ -14,10 +14,11 @@ are still yielded (and assigned) strictly in plan order.
 - safetensors: ``preadv`` of the slice's byte ranges (or HTTP ranges, see ``fetch.HttpRanges``). Same dtype
   on CPU: straight into the destination's memory, no staging at all. Otherwise: through one reused staging
   buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device), converted by
-  ``copy_`` chunk by chunk. (Converting straight from a mapping of the file saves that copy but measured
-  slower here: 0.75-0.83 s against 0.69-0.71 s for the 2 GB fp32 -> bf16 load, page-cache warm, and its
-  fault-around pages inflate VmHWM.) With ``mmap=True``, a same-dtype CPU tensor whose slice is contiguous
-  is not read at all: it becomes a copy-on-write view of the file, as in transformers.
+  ``copy_`` chunk by chunk. (Converting straight from a mapping of the file saves that copy; on the 2 GB
+  fp32 -> bf16 load, page-cache warm, it measured slower one day (0.75-0.83 s against 0.69-0.71 s) and 4-9%
+  faster another (streaming 0.47-0.50 s against 0.51-0.53 s). Not used: a file truncated while it is mapped
+  kills the process with SIGBUS, where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is
+  read at all: each becomes a copy-on-write view of its file, as in transformers (``check_mmap``).
 - torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` one shard at a time,
   copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so
   the resident file-backed memory stays one chunk, not one shard.
@@ -45,7 +46,7 @@ from .plan.sharding import chunk_runs, element_runs
 from .types import CheckpointFormat, ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo
 
 __all__ = [
-    "StreamStats", "stream", "chunk_spans", "slice_tensor", "staging_chunk_bytes", "choose_workers", "cached_fraction",
+    "StreamStats", "stream", "chunk_spans", "slice_tensor", "staging_chunk_bytes", "choose_workers", "cached_fraction", "check_mmap",
     "DEFAULT_CHUNK_BYTES", "DEFAULT_WORKERS", "DEFAULT_READ_AHEAD_BYTES", "GAP_BYTES",
 ]
 
@@ -139,6 +140,52 @@ def cached_fraction(paths: list[str]) -> float | None:
 def choose_workers(cached: float | None) -> int:
     """Reader threads for a load whose files are ``cached`` (fraction in the page cache; None: unknown)."""
     return DEFAULT_WORKERS if cached is None or cached >= 0.9 else COLD_WORKERS
+
+
+def check_mmap(plan: LoadPlan, *, checkpoint_format: str, local: bool, device: torch.device) -> None:
+    """Raise ``ValueError`` unless every tensor ``plan`` reads can be a copy-on-write view of its file (``mmap=True``).
+
+    A view needs a local safetensors file, a CPU destination, the stored dtype, a slice that is one contiguous run
+    and an offset aligned to the dtype; where one tensor cannot be, the request cannot be kept as asked, so it is
+    refused before any byte is read (copying those tensors instead would quietly give a different memory profile).
+    """
+    def refuse(what: str, fix: str) -> None:
+        raise ValueError(f"mmap=True leaves every loaded tensor as a copy-on-write view of its checkpoint file, but {what}. {fix}")
+
+    if torch.device(device).type != "cpu":
+        refuse(f"device={device} is not host memory", "Load on cpu with mmap=True, or drop mmap=True to copy onto the device.")
+    if checkpoint_format != CheckpointFormat.SAFETENSORS:
+        refuse(f"the checkpoint is {checkpoint_format}, not safetensors", "Convert it to safetensors, or drop mmap=True.")
+    if not local:
+        refuse("fetch='ranges' reads the Hub files into memory, not into local files", "Pass fetch='files' (into the HF cache) or drop mmap=True.")
+    def listed(reads: list, describe: Callable) -> str:
+        more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
+        return ", ".join(f"{r.target} ({describe(r)})" for r in reads[:3]) + more
+
+    converted = [r for r in plan.reads if r.decision.dtype != r.source.dtype]
+    if converted:
+        names = listed(converted, lambda r: f"stored {r.source.dtype}, loaded {r.decision.dtype} by rule {r.decision.rule!r}")
+        refuse(f"{len(converted)} tensor(s) change dtype: {names}", "Pass torch_dtype='auto' (or the stored dtype), or drop mmap=True.")
+    strided = [r for r in plan.reads if len(element_runs(r.source.shape, r.shard)) > 1]
+    if strided:
+        names = listed(strided, lambda r: f"sliced along dim {r.shard.dim}" if r.shard.intervals is None else f"mesh slice {r.shard.intervals}")
+        refuse(
+            f"{len(strided)} tensor-parallel slice(s) are not one contiguous range of the file: {names}",
+            "Drop mmap=True for this tensor-parallel load (only dim-0 slices are contiguous).",
+        )
+    misaligned = [r for r in plan.reads if r.source.offset is None or r.source.offset % r.source.dtype.itemsize]
+    if misaligned:
+        r = misaligned[0]
+        refuse(
+            f"{r.source.key} in {r.source.file} starts at byte {r.source.offset}, not a multiple of its {r.source.dtype.itemsize}-byte dtype",
+            "Re-save the checkpoint with a current safetensors (it aligns every tensor), or drop mmap=True.",
+        )
+    groups = [c for s in plan.submodules for c in s.conversions]
+    if groups:
+        refuse(
+            f"transformers merges checkpoint tensors into {len(groups)} new tensor(s) (first: {groups[0].first_target})",
+            "Drop mmap=True for this model.",
+        )
 
 
 def chunk_spans(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -336,19 +383,19 @@ class SafetensorsReader:
         self._mmap = mmap
 
     def view(self, info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], shard: ShardSpec | None, device) -> torch.Tensor | None:
-        """``mmap=True``: the tensor as a copy-on-write view of its file, where that is possible; else None.
+        """``mmap=True``: the tensor as a copy-on-write view of its file; None without ``mmap=True``.
 
         Possible for a local file, a CPU destination of the stored dtype, a slice that is one contiguous run
-        and an offset aligned to the dtype. Each view is its own storage (``torch.frombuffer``), so tied-weight
-        detection and ``save_pretrained`` see separate tensors, as with transformers' own mmap loads.
+        and an offset aligned to the dtype; ``check_mmap`` refused any other request before the stream began.
+        Each view is its own storage (``torch.frombuffer``), so tied-weight detection and ``save_pretrained``
+        see separate tensors, as with transformers' own mmap loads.
         """
-        if not (self._mmap and self._local and torch.device(device).type == "cpu" and dtype == info.dtype):
+        if not self._mmap:
             return None
         runs = element_runs(info.shape, shard)
-        itemsize = info.dtype.itemsize
-        if len(runs) != 1 or (info.offset + runs[0][0] * itemsize) % itemsize:
-            return None
-        src, n = runs[0]
+        if not runs:  # nothing stored for this rank (an empty tensor or an empty uneven slice)
+            return torch.empty(shape, dtype=dtype, device=device)
+        [(src, n)], itemsize = runs, info.dtype.itemsize  # one run: check_mmap refused strided slices
         self._stats.opened(info.file)
         mm = self._source.mapping(info.file, kept=True)
         t = torch.frombuffer(mm, dtype=info.dtype, count=n, offset=info.offset + src * itemsize)
@@ -615,8 +662,8 @@ def stream(
     flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0: one submodule at a time);
     with ``read_ahead_hints`` (files not in the page cache) their byte ranges are also announced to the kernel.
     ``gap_bytes`` (files in the page cache): runs of a local slice at most this far apart are read by one call.
-    ``mmap=True`` leaves same-dtype CPU tensors with a contiguous slice as copy-on-write views of local
-    safetensors files. Nothing else is kept between submodules except the staging buffers and open files
+    ``mmap=True`` leaves every tensor as a copy-on-write view of its local safetensors file (``check_mmap``
+    refused the plan otherwise). Nothing else is kept between submodules except the staging buffers and open files
     (closed after each file's last read, and on exit).
     """
     counts: dict[str, int] = {}

@@ -252,3 +252,14 @@ def test_auto_dtype_without_config_dtype_comes_from_the_weights(hf_hub, make_che
         again, report = Causal.from_pretrained("org/nodtype", output_loading_info=True)
         assert report.dtype == torch.bfloat16
         assert_same(again, got)
+
+
+def test_mmap_from_the_hub_maps_cached_files_and_refuses_ranges(hf_hub, make_checkpoint):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    with pytest.raises(ValueError, match=r"but fetch='ranges' reads the Hub files into memory, not into local files\. Pass fetch='files'"):
+        Causal.from_pretrained("org/llama", fetch="ranges", mmap=True)
+    model = Causal.from_pretrained("org/llama", mmap=True)  # whole files into the HF cache, then views of them
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.lowmem_report.mapped_bytes == params
+    assert_same(model, Causal.from_pretrained(local))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from lowmem_hf import load as load_mod
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.errors import CorruptCheckpointError
 from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS, GAP_BYTES, LocalFiles, _release_pages, cached_fraction, chunk_spans
@@ -127,26 +128,25 @@ def test_mmap_leaves_same_dtype_tensors_as_copy_on_write_views(make_checkpoint):
     assert torch.equal(again.lm_head.weight, ref.lm_head.weight)
 
 
-def test_mmap_copies_what_cannot_be_a_view(make_checkpoint):
-    path = make_checkpoint("llama", "sharded")
-    converted = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, mmap=True)
-    assert converted.lowmem_report.mapped_bytes == 0 and not _file_backed(path)
-    # local TP slices: a dim-0 slice is one contiguous run (a view), a dim-1 slice is not (copied)
-    sliced = Causal.from_pretrained(path, torch_dtype=torch.float32, mmap=True, tp_rank=0, tp_size=2)
-    shards = sliced.lowmem_report.shards
-    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
-    assert shards[q].dim == 0 and shards[o].dim == 1
-    views = {name for name, p in sliced.named_parameters() if _storage_is_file(p, path)}
-    assert q in views and o not in views
-
-
-def _storage_is_file(t: torch.Tensor, path: str) -> bool:
-    address = t.untyped_storage().data_ptr()
-    for line in _file_backed(path):
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
+@pytest.mark.parametrize(
+    "fmt,kwargs,expected",
+    [
+        ("sharded", {"torch_dtype": torch.bfloat16}, r"21 tensor\(s\) change dtype: lm_head.weight \(stored torch.float32, "
+         r"loaded torch.bfloat16 by rule 'declared'\), .* and 18 more\. Pass torch_dtype='auto'"),
+        ("sharded", {"tp_rank": 0, "tp_size": 2}, r"4 tensor-parallel slice\(s\) are not one contiguous range of the file: "
+         r"model.layers.0.mlp.down_proj.weight \(sliced along dim 1\).* and 1 more\. Drop mmap=True for this tensor-parallel"),
+        ("sharded", {"device": "cuda"}, r"device=cuda is not host memory\. Load on cpu"),
+        ("bin", {}, r"the checkpoint is torch_zip, not safetensors\. Convert it to safetensors"),
+    ],
+    ids=["dtype-change", "dim-1-slices", "device", "bin"],
+)
+def test_mmap_refuses_what_cannot_be_a_view(make_checkpoint, monkeypatch, fmt, kwargs, expected):
+    path = make_checkpoint("llama", fmt)
+    streamed = []
+    monkeypatch.setattr(load_mod, "stream", lambda *a, **k: streamed.append(1) or iter(()))
+    with pytest.raises(ValueError, match=r"mmap=True leaves every loaded tensor as a copy-on-write view of its checkpoint file, but " + expected):
+        Causal.from_pretrained(path, mmap=True, **kwargs)
+    assert not streamed and not _file_backed(path)  # refused while planning: no tensor byte read, nothing mapped
 
 
 def test_mmap_and_disable_mmap_disagree(make_checkpoint):
