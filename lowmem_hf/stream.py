@@ -21,7 +21,9 @@ are still yielded (and assigned) strictly in plan order.
   read at all: each becomes a copy-on-write view of its file, as in transformers (``check_mmap``).
 - torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` one shard at a time,
   copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so
-  the resident file-backed memory stays one chunk, not one shard.
+  the resident file-backed memory stays one chunk, not one shard. From a cold disk each tensor's pages are
+  announced (``madvise(WILLNEED)``) as it enters the read-ahead window: 2 GB fp32 -> bf16, 1 process, 7 cold
+  loads each, 1.64 s against 1.83 s without (transformers 1.60 s).
 - legacy torch pickle: has no random access; the shard is loaded whole (the report says what it cost).
 """
 
@@ -68,6 +70,7 @@ _IOV_MAX = 1024
 # instead of 2048). Measured, 2 GB fp32 Llama -> bf16, tp_rank 0 of 2 in one process, warm: 0.57-0.79 s against
 # 0.92-1.27 s with a call per row. Never from a cold disk: there a gap is bytes read from the device for nothing.
 GAP_BYTES = 32 * 1024
+_MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 
 
@@ -532,13 +535,15 @@ def _release_pages(t: torch.Tensor) -> None:
     Written by hand because torch offers no way to unmap part of a ``torch.load(mmap=True)`` mapping; the
     mapping is private and never written, so the kernel re-reads a dropped page from the file if touched again.
     """
-    start = t.data_ptr()
-    length = t.numel() * t.element_size()
+    _advise(t.data_ptr(), t.numel() * t.element_size(), _MADV_DONTNEED)
+
+
+def _advise(start: int, length: int, advice: int) -> None:
+    """``madvise`` over the pages holding ``[start, start + length)`` of this process's memory."""
     if length == 0:
         return
-    page = mmap.PAGESIZE
-    aligned = start - start % page
-    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), _MADV_DONTNEED)
+    aligned = start - start % mmap.PAGESIZE
+    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), advice)
 
 
 _LIBC = None
@@ -585,6 +590,18 @@ class TorchReader:
                     "of host memory at once. Re-save it with torch.save (torch>=1.6) or as safetensors to stream it."
                 )
         return self._state
+
+    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
+        """Cold files: ask the kernel to read this tensor's (slice's) pages of the shard mapping now
+        (``madvise(WILLNEED)``), as ``SafetensorsReader.hint`` does with file offsets, so the reader threads'
+        page faults find them in flight instead of each starting its own small read."""
+        full = self._load(info.file)[info.key]
+        runs = element_runs(info.shape, shard)
+        if not self._mmapped or not runs or not full.is_contiguous():
+            return
+        itemsize, (first, _), (last, n) = info.dtype.itemsize, runs[0], runs[-1]
+        if sum(m for _, m in runs) * 2 >= last + n - first:  # dense enough, as for safetensors
+            _advise(full.data_ptr() + first * itemsize, (last + n - first) * itemsize, _MADV_WILLNEED)
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         full = self._load(info.file)[info.key]

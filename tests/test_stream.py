@@ -3,6 +3,7 @@
 import mmap
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ import transformers
 from lowmem_hf import load as load_mod
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.errors import CorruptCheckpointError
-from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS, GAP_BYTES, LocalFiles, _release_pages, cached_fraction, chunk_spans
+from lowmem_hf.stream import (
+    COLD_WORKERS, DEFAULT_WORKERS, GAP_BYTES, LocalFiles, StreamStats, TorchReader, _release_pages, cached_fraction, chunk_spans,
+)
+from lowmem_hf.types import ShardSpec, TensorInfo
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
 
@@ -164,15 +168,53 @@ def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
     assert warm.reader_workers == DEFAULT_WORKERS
     assert warm.gap_bytes > 0  # row-wise slices: the other rank's half of each row copied by the same read
     for f in files:  # evict the (clean) pages: what a cold disk looks like to mincore
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)  # dirty pages (the copy was just written) cannot be evicted
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        _evict(f)
     if cached_fraction(files) > 0.5:
         pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
     cold = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
     assert cold.reader_workers == COLD_WORKERS
     assert cold.gap_bytes == 0  # from a cold disk a gap would be device reads for nothing
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages (the file was just written) cannot be evicted
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("shard", [None, ShardSpec("colwise", dim=0, start=0, stop=512, tp_rank=0, tp_size=2)], ids=["whole", "dim0-slice"])
+def test_bin_hint_reads_the_tensor_ahead_from_a_cold_disk(tmp_path, shard):
+    # .bin shards are read through torch's mapping: a cold load asks the kernel for each tensor's pages
+    # (madvise WILLNEED) when it enters the read-ahead window, instead of one small fault-driven read per thread.
+    path = str(tmp_path / "w.bin")
+    torch.save({"w": torch.randn(1024, 4096)}, path)  # 16 MiB, zip
+    _evict(path)
+    if cached_fraction([path]) > 0.1:
+        pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
+    reader = TorchReader({path: 1}, 4 << 20, True, StreamStats())
+    reader.hint(TensorInfo(key="w", file=path, dtype=torch.float32, shape=(1024, 4096), offset=None), shard)
+    wanted = 1.0 if shard is None else 0.5
+    deadline = time.monotonic() + 10
+    while cached_fraction([path]) < wanted - 0.1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached_fraction([path]) >= wanted - 0.1
+    reader.close()
+
+
+def test_cold_bin_load_with_hints_is_exact(make_checkpoint, tmp_path):
+    source = make_checkpoint("llama", "bin")
+    path = shutil.copytree(source, tmp_path / "llama")  # a copy nothing else maps
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".bin")]
+    for f in files:
+        _evict(f)
+    if cached_fraction(files) > 0.5:
+        pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
+    cold = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, tp_rank=1, tp_size=2)
+    assert cold.lowmem_report.reader_workers == COLD_WORKERS  # the hinted path ran
+    warm = Causal.from_pretrained(source, torch_dtype=torch.bfloat16, tp_rank=1, tp_size=2)
+    for name, t in warm.state_dict().items():
+        assert torch.equal(cold.state_dict()[name], t), name
 
 
 @pytest.mark.parametrize(
