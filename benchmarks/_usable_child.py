@@ -1,6 +1,6 @@
 """Child of bench_usable.py: time one load to a usable model (measure.py protocol).
 
-    python benchmarks/_usable_child.py --loader {lowmem,lowmem-mmap,transformers} --path DIR --dtype bfloat16
+    python benchmarks/_usable_child.py --loader {lowmem,lowmem-mmap,transformers,bare} --path DIR --dtype bfloat16
     # under RANK/WORLD_SIZE/MASTER_*: joins a gloo group and loads with tp_plan="auto"
 
 Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 4
@@ -8,6 +8,11 @@ tokens, no grad) returns; every parameter has been written in place once (``mul_
 optimizer step does to memory: it faults in and, for copy-on-write views of a file, copies every page).
 Memory is sampled by the parent over all three. The model's module (``modeling_llama``) and, under TP,
 the process group exist before the clock, for both loaders.
+
+``bare`` (one process only) is the reference both loaders are read against: the work any load of the request
+must do and nothing else, with no model. Every tensor of every file read and converted to ``--dtype`` into
+fresh memory, the way transformers' own loop does it (``safe_open`` / ``torch.load(mmap=True)``, then a copy in
+the target dtype per tensor on a pool of one thread per core); no config, no model, no key mapping, no forward.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from _child import say, wait_for_parent
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--loader", choices=("lowmem", "lowmem-mmap", "transformers"), required=True)
+    ap.add_argument("--loader", choices=("lowmem", "lowmem-mmap", "transformers", "bare"), required=True)
     ap.add_argument("--path", required=True)
     ap.add_argument("--dtype", required=True)
     args = ap.parse_args()
@@ -51,6 +56,9 @@ def main() -> int:
             return AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **tp)
         mmap = {"mmap": True} if args.loader == "lowmem-mmap" else {}
         return lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(args.path, torch_dtype=dtype, **tp, **mmap)
+
+    if args.loader == "bare":
+        return bare(args.path, dtype)
 
     say("READY")
     wait_for_parent("go")
@@ -86,6 +94,43 @@ def main() -> int:
     wait_for_parent("exit")
     if distributed:
         dist.destroy_process_group()
+    return 0
+
+
+def bare(path: str, dtype) -> int:
+    """Read and convert every tensor of the checkpoint at ``path`` (the ``bare`` reference), then report."""
+    import glob
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors import safe_open
+
+    def convert(t):
+        return torch.empty(t.shape, dtype=dtype).copy_(t)  # a copy even when the dtype does not change
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
+    say("READY")
+    wait_for_parent("go")
+    t0 = time.perf_counter()
+    handles, futures = [], []
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for file in files:
+            if file.endswith(".safetensors"):
+                handle = safe_open(file, framework="pt")
+                handles.append(handle)
+                futures += [pool.submit(lambda h, k: convert(h.get_tensor(k)), handle, k) for k in handle.keys()]
+            else:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                futures += [pool.submit(convert, t) for t in state.values()]
+        tensors = [f.result() for f in futures]
+    t_load = time.perf_counter()
+    say("LOADED")
+    wait_for_parent("go")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    result = {"load_seconds": t_load - t0, "forward_seconds": None, "write_seconds": None, "model_bytes": nbytes,
+              "logits_finite": True, "notes": [], "mapped_bytes": None}
+    say("RESULT " + json.dumps(result))
+    wait_for_parent("exit")
     return 0
 
 

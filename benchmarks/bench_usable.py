@@ -2,13 +2,16 @@
 
     python benchmarks/bench_usable.py [--size-gb 2.0] [--repeats 3] [--ranks 1 2] [--cache warm cold]
 
-For each case (fp32 safetensors -> bf16, fp32 .bin -> bf16, fp32 -> fp32 owned, fp32 -> fp32 ``mmap=True``),
+For each case (fp32 safetensors -> bf16, fp32 .bin -> bf16, fp32 -> fp32 owned, fp32 -> fp32 ``mmap=True`` (one
+process only: with TP, dim-1 slices cannot be views and ``mmap=True`` refuses them)),
 each loader runs in a fresh child (``_usable_child.py``), alternating loaders within each repeat so they share
 the machine's noise. Reported: seconds to ``from_pretrained`` return, to the end of a first forward, and to
 the end of a first in-place write of every parameter, all from one clock; peak RssAnon and VmHWM above the
 post-import baseline (parent-sampled over the whole sequence) / the final model bytes. Cold: ``sync; echo 3 >
 /proc/sys/vm/drop_caches`` before every load (root only; the run says when it cannot and stays warm). Ratios
-are lowmem medians / transformers medians of the same run. Exit status 1 only if a child failed.
+are lowmem medians / transformers medians of the same run. One process also runs ``bare`` (``_usable_child.py``):
+every tensor read and converted into fresh memory with no model at all, the floor of the request on this
+machine; the summary gives both loaders' return times as multiples of it. Exit status 1 only if a child failed.
 """
 
 from __future__ import annotations
@@ -94,7 +97,10 @@ def main(argv=None) -> int:
     for ranks in args.ranks:
         for case in args.cases:
             fmt, dtype, ours = CASES[case]
-            loaders = (*ours, "transformers")
+            if ranks > 1 and "lowmem-mmap" in ours:  # TP slices along dim 1 cannot be views: mmap=True refuses them
+                print(f"[usable] {ranks} ranks: no mmap=True row (llama's TP plan slices o_proj/down_proj along dim 1)", flush=True)
+                ours = tuple(loader for loader in ours if loader != "lowmem-mmap")
+            loaders = (*ours, "transformers") + (("bare",) if ranks == 1 else ())
             for cache in caches:
                 runs: dict[str, list[dict]] = {loader: [] for loader in loaders}
                 for rep in range(args.repeats):
@@ -108,21 +114,24 @@ def main(argv=None) -> int:
                         slowest.update(rss_anon=max(r["rss_anon"] for r in got), vmhwm=max(r["vmhwm"] for r in got))
                         runs[loader].append(slowest)
                         print(f"  [{ranks} rank(s) {case} {cache} {loader:<12} #{rep}] "
-                              + "  ".join(f"{s.split('_')[0]} {slowest[s]:.2f}s" for s in STAGES)
+                              + "  ".join(f"{s.split('_')[0]} {slowest[s]:.2f}s" for s in STAGES if slowest[s] is not None)
                               + f"  RssAnon {slowest['rss_anon']:.3f}x  VmHWM {slowest['vmhwm']:.3f}x", flush=True)
-                med = {loader: {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "rss_anon", "vmhwm")}
+                med = {loader: {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "rss_anon", "vmhwm") if rs[0][k] is not None}
                        for loader, rs in runs.items()}
                 for loader in ours:
-                    rows.append((ranks, case, cache, loader, med[loader], med["transformers"]))
+                    rows.append((ranks, case, cache, loader, med[loader], med["transformers"], med.get("bare")))
 
     print(f"\nSummary: medians of {args.repeats}; time ratio = lowmem / transformers in the same run; memory = peak "
-          "above baseline / model bytes (per rank, the worst rank)")
+          "above baseline / model bytes (per rank, the worst rank); bare = seconds to read and convert every tensor "
+          "with no model (one process only), and each loader's return time as a multiple of it")
     print(f"{'ranks':>5} {'case':<17} {'cache':<5} {'loader':<12} {'return':>14} {'first forward':>14} "
-          f"{'first write':>14} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9}")
-    for ranks, case, cache, loader, m, tf in rows:
+          f"{'first write':>14} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9} {'bare':>7} {'ours/bare':>9} {'tf/bare':>7}")
+    for ranks, case, cache, loader, m, tf, bare in rows:
         cells = "".join(f"{m[s]:>7.2f}s {m[s] / tf[s]:>5.2f}x" for s in STAGES)
+        floor = "" if bare is None else (f" {bare['load_seconds']:>6.2f}s {m['load_seconds'] / bare['load_seconds']:>8.2f}x "
+                                          f"{tf['load_seconds'] / bare['load_seconds']:>6.2f}x")
         print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<12} {cells} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
-              f"{tf['vmhwm']:>8.3f}x")
+              f"{tf['vmhwm']:>8.3f}x{floor}")
     return 0
 
 
