@@ -161,6 +161,7 @@ def check_mmap(plan: LoadPlan, *, checkpoint_format: str, local: bool, device: t
         refuse(f"the checkpoint is {checkpoint_format}, not safetensors", "Convert it to safetensors, or drop mmap=True.")
     if not local:
         refuse("fetch='ranges' reads the Hub files into memory, not into local files", "Pass fetch='files' (into the HF cache) or drop mmap=True.")
+
     def listed(reads: list, describe: Callable) -> str:
         more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
         return ", ".join(f"{r.target} ({describe(r)})" for r in reads[:3]) + more
