@@ -258,6 +258,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         mapped_bytes=stats.mapped_bytes,
         gap_bytes=stats.gap_bytes,
         reader_workers=getattr(source, "workers", prepared.workers),
+        chunk_bytes=prepared.stream_chunk_bytes,
+        page_cache_fraction=prepared.page_cache_fraction,
         requests=getattr(source, "requests", 0),
         bytes_fetched=getattr(source, "bytes_fetched", 0),
         bytes_received=getattr(source, "bytes_received", 0),

@@ -246,6 +246,12 @@ class LoadReport:
     """``mmap=True``: bytes of tensors that are copy-on-write views of checkpoint files (not in ``bytes_read``)."""
     reader_workers: int = 0
     """Reader threads the stream used (chosen from the cores and whether the files were in the page cache)."""
+    chunk_bytes: int = 0
+    """Bytes per read and conversion the stream used: the requested ``chunk_bytes``, lowered for local files so
+    the staging (reader threads x chunk) stays within 1/128 of what this rank loads."""
+    page_cache_fraction: float | None = None
+    """Local files: the fraction of their pages in the page cache when the load began (``mincore``); below 0.9
+    the load read them as cold (more reader threads, read-ahead hints, no reads through gaps). None: not local."""
     requests: int = 0
     """``fetch="ranges"``: HTTP requests this process made."""
     bytes_fetched: int = 0

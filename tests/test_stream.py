@@ -165,14 +165,16 @@ def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
         open(f, "rb").read()
     assert cached_fraction(files) == 1.0
     warm = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
-    assert warm.reader_workers == DEFAULT_WORKERS
+    assert warm.reader_workers == DEFAULT_WORKERS and warm.page_cache_fraction == 1.0
+    local_bytes = sum(p.numel() * p.element_size() for p in Causal.from_pretrained(path, tp_rank=0, tp_size=2).parameters())
+    assert warm.chunk_bytes == max(256 << 10, local_bytes // (128 * DEFAULT_WORKERS))  # tiny model: staging capped
     assert warm.gap_bytes > 0  # row-wise slices: the other rank's half of each row copied by the same read
     for f in files:  # evict the (clean) pages: what a cold disk looks like to mincore
         _evict(f)
     if cached_fraction(files) > 0.5:
         pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
     cold = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
-    assert cold.reader_workers == COLD_WORKERS
+    assert cold.reader_workers == COLD_WORKERS and cold.page_cache_fraction <= 0.5
     assert cold.gap_bytes == 0  # from a cold disk a gap would be device reads for nothing
 
 
