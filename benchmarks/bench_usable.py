@@ -10,7 +10,7 @@ the end of a first in-place write of every parameter, all from one clock; peak R
 post-import baseline (parent-sampled over the whole sequence) / the final model bytes. Cold: ``sync; echo 3 >
 /proc/sys/vm/drop_caches`` before every load (root only; the run says when it cannot and stays warm). Ratios
 are lowmem medians / transformers medians of the same run. One process also runs ``bare`` (``_usable_child.py``):
-every tensor read and converted into fresh memory with no model at all, the floor of the request on this
+every tensor read and converted into fresh memory with no model at all, what that alone takes on this
 machine; the summary gives both loaders' return times as multiples of it. Exit status 1 only if a child failed.
 """
 
