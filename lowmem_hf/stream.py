@@ -19,11 +19,12 @@ are still yielded (and assigned) strictly in plan order.
   faster another (streaming 0.47-0.50 s against 0.51-0.53 s). Not used: a file truncated while it is mapped
   kills the process with SIGBUS, where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is
   read at all: each becomes a copy-on-write view of its file, as in transformers (``check_mmap``).
-- torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` one shard at a time,
-  copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so
-  the resident file-backed memory stays one chunk, not one shard. From a cold disk each tensor's pages are
-  announced (``madvise(WILLNEED)``) as it enters the read-ahead window (``bench_usable.py``, 2 GB fp32 -> bf16,
-  one process, cold: 1.07x transformers against 1.20x and 1.35x without).
+- torch zip (``.bin`` since torch 1.6): ``torch.load(mmap=True, weights_only=...)`` once per shard (kept
+  mapped until its last planned tensor is read), copied chunk by chunk; each chunk's pages are dropped from
+  the mapping right after (``madvise``), so the resident file-backed memory stays a chunk per reader thread,
+  not a shard. From a cold disk each tensor's pages are announced (``madvise(WILLNEED)``) as it enters the
+  read-ahead window (``bench_usable.py``, 2 GB fp32 -> bf16, one process, cold: 1.07x transformers against
+  1.20x and 1.35x without).
 - legacy torch pickle: has no random access; the shard is loaded whole (the report says what it cost).
 """
 
@@ -563,7 +564,8 @@ def _libc():
 
 
 class TorchReader:
-    """Reads ``torch.save`` shards: one shard loaded at a time (mmapped for zip archives, whole for legacy pickles)."""
+    """Reads ``torch.save`` shards: zip archives mmapped (each kept until its last planned tensor is read), legacy
+    pickles loaded whole, one at a time."""
 
     def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, paths=None):
         self._paths = paths or {}
@@ -571,17 +573,20 @@ class TorchReader:
         self._chunk_bytes = chunk_bytes
         self._weights_only = weights_only
         self._stats = stats
-        self._file: str | None = None
-        self._state: dict[str, torch.Tensor] | None = None
+        # Open shards by file. A mapped shard costs no memory beyond the pages being copied (each chunk's are
+        # dropped after), so read-ahead into the next shard keeps the current one instead of unpickling it again
+        # when a submodule's tensors come from both (it did: 7 torch.load calls for 5 shards of the 2 GB Llama).
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._mmapped = False
 
     def _load(self, file: str) -> dict[str, torch.Tensor]:
-        if self._file != file:
-            self.close()
+        state = self._states.get(file)
+        if state is None:
             path = self._paths.get(file, file)
             self._mmapped = zipfile.is_zipfile(path)
-            self._state = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=self._mmapped)
-            self._file = file
+            if not self._mmapped:
+                self._states.clear()  # a legacy pickle is the whole shard in memory: never two at once
+            state = self._states[file] = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=self._mmapped)
             self._stats.opened(file)
             if not self._mmapped:
                 size = os.path.getsize(path)
@@ -590,7 +595,7 @@ class TorchReader:
                     f"{path} is a legacy (non-zip) torch pickle: it was loaded whole, costing {size} bytes "
                     "of host memory at once. Re-save it with torch.save (torch>=1.6) or as safetensors to stream it."
                 )
-        return self._state
+        return state
 
     def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
         """Cold files: ask the kernel to read this tensor's (slice's) pages of the shard mapping now
@@ -626,13 +631,11 @@ class TorchReader:
     def done(self, info: TensorInfo, nbytes: int) -> None:
         self._stats.read(nbytes)
         self._remaining[info.file] -= 1
-        if self._remaining[info.file] == 0 and self._file == info.file:  # read-ahead may have opened the next one
-            self.close()
+        if self._remaining[info.file] == 0:
+            self._states.pop(info.file, None)  # the last reference: unmaps the file (zip) or frees it (legacy)
 
     def close(self) -> None:
-        # Dropping the last reference to the loaded state unmaps the file (zip) or frees it (legacy).
-        self._state = None
-        self._file = None
+        self._states.clear()
 
 
 def _reader(fmt: str, counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, paths, source, mmap: bool, gap_bytes: int):
