@@ -1,6 +1,7 @@
 """Child of bench_usable.py: time one load to a usable model (measure.py protocol).
 
     python benchmarks/_usable_child.py --loader {lowmem,lowmem-mmap,transformers,bare} --path DIR --dtype bfloat16
+        [--package-dir DIR]  # lowmem from DIR/lowmem_rev (another revision, see bench_usable.py --against)
     # under RANK/WORLD_SIZE/MASTER_*: joins a gloo group and loads with tp_plan="auto"
 
 Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 4
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--loader", choices=("lowmem", "lowmem-mmap", "transformers", "bare"), required=True)
     ap.add_argument("--path", required=True)
     ap.add_argument("--dtype", required=True)
+    ap.add_argument("--package-dir", help="load with the lowmem_hf copy at DIR/lowmem_rev instead of the installed one")
     args = ap.parse_args()
 
     import torch
@@ -38,7 +40,13 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    import lowmem_hf
+    if args.package_dir:  # another revision's lowmem_hf, renamed: the editable install would win over sys.path
+        import importlib
+
+        sys.path.insert(0, args.package_dir)
+        lowmem_hf = importlib.import_module("lowmem_rev")
+    else:
+        import lowmem_hf
 
     distributed = "WORLD_SIZE" in os.environ
     if distributed:

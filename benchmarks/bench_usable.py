@@ -1,6 +1,6 @@
 """Time to a usable model, lowmem_hf vs transformers, warm and cold page cache, 1 process and 2 TP ranks.
 
-    python benchmarks/bench_usable.py [--size-gb 2.0] [--repeats 3] [--ranks 1 2] [--cache warm cold]
+    python benchmarks/bench_usable.py [--size-gb 2.0] [--repeats 3] [--ranks 1 2] [--cache warm cold] [--against REV]
 
 For each case (fp32 safetensors -> bf16, fp32 .bin -> bf16, fp32 -> fp32 owned, fp32 -> fp32 ``mmap=True`` (one
 process only: with TP, dim-1 slices cannot be views and ``mmap=True`` refuses them)),
@@ -11,13 +11,17 @@ post-import baseline (parent-sampled over the whole sequence) / the final model 
 /proc/sys/vm/drop_caches`` before every load (root only; the run says when it cannot and stays warm). Ratios
 are lowmem medians / transformers medians of the same run. One process also runs ``bare`` (``_usable_child.py``):
 every tensor read and converted into fresh memory with no model at all, what that alone takes on this
-machine; the summary gives both loaders' return times as multiples of it. Exit status 1 only if a child failed.
+machine; the summary gives both loaders' return times as multiples of it. ``--against REV`` adds a loader
+``lowmem@REV``: the repository's ``lowmem_hf`` at git revision REV (extracted into the workdir), alternating with
+the others in the same run, to measure a change against what it replaces. Exit status 1 only if a child failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 import torch
@@ -48,7 +52,10 @@ def run(loader: str, path: Path, dtype: str, ranks: int, logdir: Path, tag: str)
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         log = open(logdir / f"usable-{tag}-{loader}-rank{rank}.stderr.log", "wb")
         logs.append(log)
-        argv = [sys.executable, str(HERE / "_usable_child.py"), "--loader", loader, "--path", str(path), "--dtype", dtype]
+        base, _, rev = loader.partition("@")
+        argv = [sys.executable, str(HERE / "_usable_child.py"), "--loader", base, "--path", str(path), "--dtype", dtype]
+        if rev:
+            argv += ["--package-dir", str(logdir.parent / f"rev-{rev}")]
         procs.append(spawn_child(argv, env=env, stderr=log))
     try:
         results = run_children(procs, start_together=True, timeout_s=900)
@@ -77,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", nargs="+", choices=("warm", "cold"), default=["warm", "cold"])
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     ap.add_argument("--workdir", default=str(HERE / "_work"))
+    ap.add_argument("--against", metavar="REV", help="also time lowmem_hf as of this git revision (lowmem@REV)")
     args = ap.parse_args(argv)
 
     workdir = Path(args.workdir).resolve()
@@ -92,11 +100,14 @@ def main(argv=None) -> int:
               "cold runs skipped", flush=True)
         caches.remove("cold")
     print(f"[usable] sampler {boost_sampler_priority()}; checkpoint {st}", flush=True)
+    against = extract_revision(args.against, workdir) if args.against else None
 
     rows = []
     for ranks in args.ranks:
         for case in args.cases:
             fmt, dtype, ours = CASES[case]
+            if against is not None:
+                ours = (*ours, f"lowmem@{against}")
             if ranks > 1 and "lowmem-mmap" in ours:  # TP slices along dim 1 cannot be views: mmap=True refuses them
                 print(f"[usable] {ranks} ranks: no mmap=True row (llama's TP plan slices o_proj/down_proj along dim 1)", flush=True)
                 ours = tuple(loader for loader in ours if loader != "lowmem-mmap")
@@ -113,7 +124,7 @@ def main(argv=None) -> int:
                         slowest = max(got, key=lambda r: r["write_seconds"])  # the job waits for its slowest rank
                         slowest.update(rss_anon=max(r["rss_anon"] for r in got), vmhwm=max(r["vmhwm"] for r in got))
                         runs[loader].append(slowest)
-                        print(f"  [{ranks} rank(s) {case} {cache} {loader:<12} #{rep}] "
+                        print(f"  [{ranks} rank(s) {case} {cache} {loader:<15} #{rep}] "
                               + "  ".join(f"{s.split('_')[0]} {slowest[s]:.2f}s" for s in STAGES if slowest[s] is not None)
                               + f"  RssAnon {slowest['rss_anon']:.3f}x  VmHWM {slowest['vmhwm']:.3f}x", flush=True)
                 med = {loader: {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "rss_anon", "vmhwm") if rs[0][k] is not None}
@@ -124,15 +135,30 @@ def main(argv=None) -> int:
     print(f"\nSummary: medians of {args.repeats}; time ratio = lowmem / transformers in the same run; memory = peak "
           "above baseline / model bytes (per rank, the worst rank); bare = seconds to read and convert every tensor "
           "with no model (one process only), and each loader's return time as a multiple of it")
-    print(f"{'ranks':>5} {'case':<17} {'cache':<5} {'loader':<12} {'return':>14} {'first forward':>14} "
+    print(f"{'ranks':>5} {'case':<17} {'cache':<5} {'loader':<15} {'return':>14} {'first forward':>14} "
           f"{'first write':>14} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9} {'bare':>7} {'ours/bare':>9} {'tf/bare':>7}")
     for ranks, case, cache, loader, m, tf, bare in rows:
         cells = "".join(f"{m[s]:>7.2f}s {m[s] / tf[s]:>5.2f}x" for s in STAGES)
         floor = "" if bare is None else (f" {bare['load_seconds']:>6.2f}s {m['load_seconds'] / bare['load_seconds']:>8.2f}x "
                                           f"{tf['load_seconds'] / bare['load_seconds']:>6.2f}x")
-        print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<12} {cells} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
+        print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<15} {cells} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
               f"{tf['vmhwm']:>8.3f}x{floor}")
     return 0
+
+
+def extract_revision(rev: str, workdir: Path) -> str:
+    """``git archive`` the package at ``rev`` into ``workdir/rev-<sha>/lowmem_rev``; return the short sha."""
+    repo = HERE.parent
+    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    target = workdir / f"rev-{sha}"
+    if not (target / "lowmem_rev").is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(repo), "archive", sha, "lowmem_hf"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+        (target / "lowmem_hf").rename(target / "lowmem_rev")  # its own name: the installed lowmem_hf would be imported
+    print(f"[usable] lowmem@{sha}: lowmem_hf as of {rev} ({target / 'lowmem_rev'})", flush=True)
+    return sha
 
 
 if __name__ == "__main__":
