@@ -684,8 +684,8 @@ def stream(
     with ``read_ahead_hints`` (files not in the page cache) their byte ranges are also announced to the kernel.
     ``gap_bytes`` (files in the page cache): runs of a local slice at most this far apart are read by one call.
     ``mmap=True`` leaves every tensor as a copy-on-write view of its local safetensors file (``check_mmap``
-    refused the plan otherwise). Nothing else is kept between submodules except the staging buffers and open files
-    (closed after each file's last read, and on exit).
+    refused the plan otherwise). Nothing else is kept between submodules except the staging buffers, open files and
+    mapped ``.bin`` shards (each released after its file's last read, and all on exit).
     """
     counts: dict[str, int] = {}
     for sub in plan.submodules:
@@ -723,7 +723,7 @@ def stream(
             stats.staged(sum(t.numel() * t.element_size() for t in inputs))
             staged.append((c, inputs))
         jobs = []
-        for info, dst, shard in pairs:  # hint and plan each tensor together: the .bin reader keeps one shard loaded
+        for info, dst, shard in pairs:
             if hint is not None:
                 hint(info, shard)
             jobs += reader.jobs(info, dst, shard)
