@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -87,10 +88,15 @@ def test_corrupt_safetensors_names_the_file_and_loads_nothing(sharded_llama, dam
     assert open_fds() == fds
 
 
-def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, monkeypatch):
-    # The header promised the bytes; if the file shrinks after planning, the reader must notice.
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, monkeypatch, cache):
+    # The header promised the bytes; if the file shrinks after planning, the reader must notice, on the warm path
+    # and on the cold one (more reader threads, read-ahead hints), without hanging or leaking a descriptor.
+    from lowmem_hf import load as load_mod
     from lowmem_hf import stream as stream_mod
 
+    if cache == "cold":  # what mincore says of files not in the page cache (the bytes are the same either way)
+        monkeypatch.setattr(load_mod, "cached_fraction", lambda paths: 0.0)
     original = stream_mod.SafetensorsReader.jobs
     shard = sharded_llama / "model-00003-of-00003.safetensors"
 
@@ -100,8 +106,30 @@ def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, m
         return original(self, info, dst, spec)
 
     monkeypatch.setattr(stream_mod.SafetensorsReader, "jobs", shrink_then_plan)
-    with pytest.raises(CorruptCheckpointError, match="the file ended"):
-        Causal.from_pretrained(sharded_llama)
+    streamed, real_stream = [], load_mod.stream
+
+    def recording_stream(plan, **kwargs):
+        streamed.append((kwargs["read_ahead_hints"], kwargs["workers"]))
+        return real_stream(plan, **kwargs)
+
+    monkeypatch.setattr(load_mod, "stream", recording_stream)
+    fds, outcome = open_fds(), []
+
+    def load():
+        try:
+            outcome.append(Causal.from_pretrained(sharded_llama, chunk_bytes=4096))
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the load hung on a truncated file"
+    assert len(outcome) == 1 and isinstance(outcome[0], CorruptCheckpointError), outcome
+    assert str(shard) in str(outcome[0]) and "the file ended" in str(outcome[0])
+    assert open_fds() == fds
+    expected_path = (True, stream_mod.COLD_WORKERS) if cache == "cold" else (False, stream_mod.DEFAULT_WORKERS)
+    assert streamed == [expected_path]  # (read-ahead hints, reader threads): the path the test names ran
 
 
 def test_index_key_the_model_lacks_is_unexpected_like_transformers(sharded_llama):
