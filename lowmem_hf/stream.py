@@ -577,18 +577,22 @@ class TorchReader:
         # dropped after), so read-ahead into the next shard keeps the current one instead of unpickling it again
         # when a submodule's tensors come from both (it did: 7 torch.load calls for 5 shards of the 2 GB Llama).
         self._states: dict[str, dict[str, torch.Tensor]] = {}
-        self._mmapped = False
+        # Which of them are mappings (zip) rather than whole pickles in memory, per file: a checkpoint may mix the
+        # two, and dropping pages (``_release_pages``) of a legacy shard's heap memory would destroy it.
+        self._mapped: set[str] = set()
 
     def _load(self, file: str) -> dict[str, torch.Tensor]:
         state = self._states.get(file)
         if state is None:
             path = self._paths.get(file, file)
-            self._mmapped = zipfile.is_zipfile(path)
-            if not self._mmapped:
+            mapped = zipfile.is_zipfile(path)
+            if mapped:
+                self._mapped.add(file)
+            else:
                 self._states.clear()  # a legacy pickle is the whole shard in memory: never two at once
-            state = self._states[file] = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=self._mmapped)
+            state = self._states[file] = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=mapped)
             self._stats.opened(file)
-            if not self._mmapped:
+            if not mapped:
                 size = os.path.getsize(path)
                 self._stats.staged(size)
                 self._stats.notes.append(
@@ -603,7 +607,7 @@ class TorchReader:
         page faults find them in flight instead of each starting its own small read."""
         full = self._load(info.file)[info.key]
         runs = element_runs(info.shape, shard)
-        if not self._mmapped or not runs or not full.is_contiguous():
+        if info.file not in self._mapped or not runs or not full.is_contiguous():
             return
         itemsize, (first, _), (last, n) = info.dtype.itemsize, runs[0], runs[-1]
         if sum(m for _, m in runs) * 2 >= last + n - first:  # dense enough, as for safetensors
@@ -612,11 +616,12 @@ class TorchReader:
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         full = self._load(info.file)[info.key]
         src = slice_tensor(full, shard)
-        if not (self._mmapped and src.is_contiguous()):
+        mapped = info.file in self._mapped  # decided now: the job runs after other shards may have been loaded
+        if not (mapped and src.is_contiguous()):
 
             def whole() -> None:
                 dst.copy_(src)
-                if self._mmapped and full.is_contiguous():
+                if mapped and full.is_contiguous():
                     _release_pages(full)
 
             return [whole]
