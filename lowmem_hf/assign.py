@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from transformers.distributed.sharding_utils import _dtensor_from_local_like
+from transformers.core_model_loading import SkipParameters
 from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils.loading_report import LoadStateDictInfo
 
@@ -63,12 +64,20 @@ def assign_submodule(
         for (pattern, info), tensor in zip(conversion.sources, inputs):
             converter.add_tensor(conversion.first_target, info.key, pattern, (lambda t=tensor: t))
         inputs.clear()  # the converter holds the only references now; it drops them as it converts
-        realized = converter.convert(conversion.first_target, model=model, config=model.config, loading_info=loading_info)
-        if loading_info.conversion_errors:
-            raise RuntimeError(
-                f"transformers' conversion {converter!r} failed for {conversion.first_target}: "
-                f"{loading_info.conversion_errors}"
+        try:
+            realized = converter.convert(conversion.first_target, model=model, config=model.config, loading_info=loading_info)
+        except SkipParameters as skipped:
+            # transformers records the converter's error and raises its own RuntimeError from the load report;
+            # the converter's exception is the context of SkipParameters (raised inside its except block)
+            details = "\n".join(
+                f"{key}: {message.strip().splitlines()[-1] if message.strip() else message}"
+                for key, message in loading_info.conversion_errors.items()
             )
+            raise RuntimeError(
+                "We encountered some issues during automatic conversion of the weights. "
+                f"{converter!r} failed for {conversion.first_target} from "
+                f"{[info.key for _, info in conversion.sources][:4]}:\n{details}"
+            ) from skipped.__context__
         for name, value in realized.items():
             value = value[0] if isinstance(value, list) else value
             ref = model.get_parameter_or_buffer(name)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -132,7 +132,9 @@ class CooperativeRanges:
         span_bytes: int = DEFAULT_SPAN_BYTES,
         wave_bytes: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        synchronous: bool = False,
     ):
+        """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``)."""
         self._http = HttpRanges(remote, token=token, local=local)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._store = dist.distributed_c10d._get_default_store()
@@ -145,7 +147,7 @@ class CooperativeRanges:
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._next_wave = 0
         self._failed = False
-        self._pool = ThreadPoolExecutor(max_workers=_FETCH_THREADS, thread_name_prefix="lowmem-fetch")
+        self._pool = None if synchronous else ThreadPoolExecutor(max_workers=_FETCH_THREADS, thread_name_prefix="lowmem-fetch")
         self._fetching: dict[int, tuple[dict, list]] = {}  # wave -> (buffers of this rank's spans, their requests)
         self._buffers: dict[str, tuple[list[int], list[tuple[Span, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
@@ -196,7 +198,8 @@ class CooperativeRanges:
             while not self._failed and self._next_wave < len(self._waves):
                 self._run_next_wave()
         finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
             self._buffers, self._fetching = {}, {}
             self._http.close()
 
@@ -214,7 +217,8 @@ class CooperativeRanges:
         """Submit this rank's span requests of wave ``index`` (into buffers of their own)."""
         mine = [s for s in self._waves[index] if s.owner == self._rank]
         data = {id(s): torch.empty(s.stop - s.start, dtype=torch.uint8) for s in mine}
-        self._fetching[index] = (data, [self._pool.submit(self._fetch, s, data[id(s)]) for s in mine])
+        submit = self._pool.submit if self._pool is not None else _call_now
+        self._fetching[index] = (data, [submit(self._fetch, s, data[id(s)]) for s in mine])
 
     def _run_wave(self, index: int) -> None:
         self._buffers = {}  # every read of the previous wave has finished (no read-ahead)
@@ -288,3 +292,13 @@ class CooperativeRanges:
         if why.startswith("changed:"):
             raise RemoteFileChangedError(f"rank {rank}: {why.removeprefix('changed:')}")
         raise RankFailedError(f"cooperative fetch, wave {index}: rank {rank} failed: {why.removeprefix('error:')}")
+
+
+def _call_now(fn, *args) -> Future:
+    """``fn(*args)`` on this thread, as a finished ``Future`` (its error is raised by ``result()``, as from a pool)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as error:  # noqa: BLE001 - handed to the caller through the future, as a pool would
+        future.set_exception(error)
+    return future

@@ -25,6 +25,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .resolve import (
     _header_length,
     add_tensors,
+    is_index,
     parse_index,
     parse_safetensors_header,
     read_safetensors_header,
@@ -178,7 +179,7 @@ def resolve_hub(
 
     header_bytes = 0
     index_metadata = None
-    if found.endswith(".index.json"):
+    if is_index(found):
         index_path = _download(repo_id, found, commit, hub)
         header_bytes += os.path.getsize(index_path)
         by_file, index_metadata = parse_index(index_path)

@@ -26,6 +26,7 @@ from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
 from transformers.modeling_utils import _get_dtype
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+from transformers.utils.import_utils import is_env_variable_true
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
@@ -84,8 +85,9 @@ class PreparedLoad:
 
     @property
     def workers(self) -> int:
-        """Reader threads: the cores when the files are in the page cache, more when they must come from disk."""
-        return choose_workers(self.page_cache_fraction)
+        """Reader threads: the cores when the files are in the page cache, more when they must come from disk;
+        1 (every read on the calling thread, no thread started) under ``HF_DEACTIVATE_ASYNC_LOAD``."""
+        return choose_workers(self.page_cache_fraction) if async_load() else 1
 
     @property
     def cold(self) -> bool:
@@ -115,6 +117,8 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
     tp_request = request_tp(PreTrainedModel, **vars(request.tp))
     is_hub = _is_hub_repo(request.name_or_path, request.hub.subfolder)
+    if not is_hub:
+        _reject_adapter(request)
     if is_hub:
         # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
@@ -151,6 +155,11 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started)
 
 
+def async_load() -> bool:
+    """transformers' switch, read as it reads it: ``HF_DEACTIVATE_ASYNC_LOAD=1`` loads on the calling thread."""
+    return not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
+
+
 def _reads_local_files(request: LoadRequest, checkpoint) -> bool:
     """False when the tensor bytes come over HTTP ranges into memory (``fetch='ranges'``), never into a local file."""
     return not (checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS)
@@ -172,7 +181,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # under a process group the ranks fetch together: each byte once, in large spans (exchange.py)
             source = CooperativeRanges(
-                checkpoint.remote, plan, token=request.hub.token, local=checkpoint.local_paths, span_bytes=request.fetch_span_bytes
+                checkpoint.remote, plan, token=request.hub.token, local=checkpoint.local_paths,
+                span_bytes=request.fetch_span_bytes, synchronous=not async_load(),
             )
         else:
             source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
@@ -193,10 +203,11 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     bar = byte_bar(bytes_to_read(plan), desc="fetching" if source is not None else "loading", tqdm_class=request.tqdm_class)
     stats = StreamStats(on_read=bar.update if bar is not None else None)
     peak_anon = _proc_status_bytes("RssAnon")
+    workers = getattr(source, "workers", prepared.workers) if async_load() else 1
     try:
         for _, tensors, staged in stream(
             plan, checkpoint_format=checkpoint.format, device=request.device, chunk_bytes=prepared.stream_chunk_bytes,
-            weights_only=request.weights_only, stats=stats, paths=paths, source=source, workers=prepared.workers,
+            weights_only=request.weights_only, stats=stats, paths=paths, source=source, workers=workers,
             read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold, mmap=request.mmap,
             gap_bytes=0 if prepared.cold else GAP_BYTES,
         ):
@@ -214,9 +225,10 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     _assign.apply_missing_overrides(model, prepared.policy, loading_info.missing_keys)
     model.eval()
     model.set_use_kernels(False, None)
-    if model.can_generate() and hasattr(model, "adjust_generation_fn"):
+    generation_source = _generation_config_source(request, checkpoint)
+    if model.can_generate() and hasattr(model, "adjust_generation_fn") and generation_source is not None:
         model.adjust_generation_fn(
-            request.generation_config, True, None, request.name_or_path, trust_remote_code=request.trust_remote_code, **hub
+            request.generation_config, True, None, generation_source, trust_remote_code=request.trust_remote_code, **hub
         )
     decisions = decisions_of(plan)
     _assign.check_loaded(model, decisions, request.device)
@@ -257,7 +269,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         commit=checkpoint.commit,
         mapped_bytes=stats.mapped_bytes,
         gap_bytes=stats.gap_bytes,
-        reader_workers=getattr(source, "workers", prepared.workers),
+        reader_workers=workers,
         chunk_bytes=prepared.stream_chunk_bytes,
         page_cache_fraction=prepared.page_cache_fraction,
         requests=getattr(source, "requests", 0),
@@ -267,6 +279,25 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
     log_load(type(model).__name__, request.name_or_path, report)
     return model, report
+
+
+def _generation_config_source(request: LoadRequest, checkpoint: Checkpoint) -> str | None:
+    """Where transformers' ``adjust_generation_fn`` looks for ``generation_config.json`` (then ``config.json``).
+
+    The checkpoint's folder, as in transformers, except for a training checkpoint that holds neither file
+    (``dcp.save`` writes only ``.metadata`` and ``*.distcp``): then the folder of ``config=`` when it is a path, or
+    None when it is a config object, whose model already built its generation config from the config at
+    ``__init__``, exactly as transformers builds one when no file has it.
+    """
+    if request.generation_config is not None or checkpoint.format != CheckpointFormat.DCP:
+        return request.name_or_path
+    folder = os.path.join(request.name_or_path, request.hub.subfolder)
+    if any(os.path.isfile(os.path.join(folder, name)) for name in ("generation_config.json", "config.json")):
+        return request.name_or_path
+    if isinstance(request.config, (str, os.PathLike)):
+        config_path = os.fspath(request.config)
+        return os.path.dirname(config_path) if os.path.isfile(config_path) else config_path
+    return None
 
 
 def load(request: LoadRequest):
@@ -390,6 +421,26 @@ def _reject_quantized(config: Any) -> None:
             "quantization_config",
             f"the checkpoint's config.json has a quantization_config (quant_method={method!r}); quantized "
             "checkpoints are not supported by lowmem_hf: load them with transformers' from_pretrained.",
+        )
+
+
+def _reject_adapter(request: LoadRequest) -> None:
+    """A folder holding a PEFT adapter makes transformers load its base model and attach the adapter (when peft
+    is installed); lowmem_hf does not, so such a call is handed to transformers rather than loading the base alone.
+
+    Local folders only: for a Hub repo the check costs a request per load, and the cooperative fetch's request
+    bound is a tested contract; a Hub adapter repo has no ``config.json`` and fails to resolve anyway.
+    """
+    from transformers.utils import find_adapter_config_file, is_peft_available
+
+    if not is_peft_available():
+        return
+    found = find_adapter_config_file(request.name_or_path, subfolder=request.hub.subfolder, local_files_only=True)
+    if found is not None:
+        raise UnsupportedArgumentError(
+            "adapter",
+            f"{found} is a PEFT adapter; transformers loads its base model and attaches the adapter, which lowmem_hf "
+            "does not do. Load the base with lowmem_hf, then the adapter with peft's PeftModel.from_pretrained.",
         )
 
 

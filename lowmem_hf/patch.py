@@ -98,6 +98,13 @@ def is_patched() -> bool:
     return bool(_originals)
 
 
+def transformers_method(cls: type) -> Any:
+    """transformers' own ``cls.from_pretrained`` function (unbound), whether or not the switch is in effect."""
+    owner = next((c for c in cls.__mro__ if c in _originals), None)
+    found = _originals[owner] if owner is not None else next(c.__dict__["from_pretrained"] for c in cls.__mro__ if "from_pretrained" in c.__dict__)
+    return found.__func__ if isinstance(found, classmethod) else found
+
+
 def _original_for(cls: type) -> Any:
     """transformers' own method for ``cls``: the nearest patched class in its MRO."""
     owner = next(c for c in cls.__mro__ if c in _originals)

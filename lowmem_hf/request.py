@@ -7,7 +7,11 @@ the argument checks; nothing downstream re-reads raw keyword arguments.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -43,6 +47,81 @@ NOT_IMPLEMENTED = {
     "from_flax": "Flax checkpoints are not supported",
     "mirror": "mirrors are not supported",
 }
+
+# Arguments whose value only matters when the path holds a PEFT adapter; lowmem_hf hands every adapter folder
+# to transformers (``load._reject_adapter``), so with no adapter any value leaves the load unchanged.
+_ONLY_WITH_AN_ADAPTER = frozenset({"adapter_name"})
+
+
+@dataclass(frozen=True)
+class TransformersDefaults:
+    """What transformers' ``PreTrainedModel.from_pretrained`` does with its arguments, read from its own code."""
+
+    defaults: Mapping[str, Any]
+    """Argument -> the value transformers uses when it is not passed (signature defaults and ``kwargs.pop``)."""
+    ignored: frozenset[str]
+    """Arguments transformers pops and drops whatever their value (``from_tf``, ``low_cpu_mem_usage``, ...)."""
+    falsy_is_default: frozenset[str]
+    """Arguments read as ``kwargs.pop(name, d) or d``: any falsy value means the default."""
+
+    def is_default(self, name: str, value: Any) -> bool:
+        """Whether passing ``name=value`` leaves transformers' behaviour as if it had not been passed."""
+        if name in self.ignored or name in _ONLY_WITH_AN_ADAPTER:
+            return True
+        if name not in self.defaults:
+            return False
+        default = self.defaults[name]
+        if value is default:
+            return True
+        if name in self.falsy_is_default and isinstance(value, (dict, list, tuple, type(None))) and not value:
+            return True
+        # the type check keeps 0 == False and 1 == True from passing for each other
+        return type(value) is type(default) and isinstance(value, (bool, int, float, str)) and value == default
+
+
+@functools.cache
+def transformers_defaults() -> TransformersDefaults:
+    """Read transformers' defaults from the source of its ``from_pretrained``, so they cannot drift from a
+    hand-written list: most arguments are not in its signature but popped from ``**kwargs`` in its body
+    (``kwargs.pop("offload_buffers", False)``), and some are popped and dropped in a loop. Nothing in
+    transformers exposes these as data, hence the parse."""
+    from transformers import PreTrainedModel
+
+    from .patch import transformers_method  # the switch replaces the method; read transformers' own
+
+    function = transformers_method(PreTrainedModel)
+    defaults: dict[str, Any] = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        if parameter.default is not inspect.Parameter.empty:
+            defaults[name] = parameter.default
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    ignored: set[str] = set()
+    falsy: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.iter, (ast.List, ast.Tuple)):
+            names = [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if any(_is_kwargs_pop(call) for call in ast.walk(node)):
+                ignored.update(names)  # for name in [...]: kwargs.pop(name, None)
+        elif _is_kwargs_pop(node) and isinstance(node.args[0], ast.Constant):
+            try:
+                defaults[node.args[0].value] = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
+            except ValueError:
+                pass  # a default that is not a literal: no value can be known to equal it
+        elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            falsy.update(v.args[0].value for v in node.values if _is_kwargs_pop(v) and isinstance(v.args[0], ast.Constant))
+    return TransformersDefaults(defaults=MappingProxyType(defaults), ignored=frozenset(ignored), falsy_is_default=frozenset(falsy))
+
+
+def _is_kwargs_pop(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "kwargs" and bool(node.args)
+    )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -143,7 +222,16 @@ class LoadRequest:
 
 
 def _single_device(device: Any, device_map: Any) -> torch.device:
-    """The one device the model goes to, from ``device`` and/or a single-device ``device_map``."""
+    """The one device the model goes to, from ``device`` and/or a single-device ``device_map``.
+
+    With neither, the ambient device decides, exactly as in transformers (its own ``check_and_set_device_map``):
+    a ``with torch.device(...)`` block or ``torch.set_default_device(...)`` is the load device, ``"cuda"`` means
+    this process's ``LOCAL_RANK``, and ``meta`` raises transformers' ``RuntimeError``.
+    """
+    if device is None:  # ``device`` is lowmem_hf's own argument; transformers knows only device_map
+        from transformers.integrations.accelerate import check_and_set_device_map
+
+        device_map = check_and_set_device_map(device_map)
     if device_map is not None:
         if isinstance(device_map, dict):
             values = set(str(torch.device(v) if isinstance(v, int) else v) for v in device_map.values())
@@ -225,8 +313,12 @@ def make_request(
         UnsupportedArgumentError: a transformers argument lowmem_hf does not implement (names it).
         ValueError: a bad dtype, dtype policy, fetch mode, chunk size or device combination.
     """
-    for name in [n for n in config_overrides if n in NOT_IMPLEMENTED]:
-        raise UnsupportedArgumentError(name, f"from_pretrained({name}=...) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}.")
+    for name in sorted(n for n in config_overrides if n in NOT_IMPLEMENTED):
+        value = config_overrides.pop(name)
+        if not transformers_defaults().is_default(name, value):
+            raise UnsupportedArgumentError(
+                name, f"from_pretrained({name}={_short(value)}) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}."
+            )
     distributed_config = check_distributed_config(distributed_config)
     if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
         raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")

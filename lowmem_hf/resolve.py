@@ -50,10 +50,17 @@ _MAX_HEADER_BYTES = 100_000_000
 
 
 def _add_variant(name: str, variant: str | None) -> str:
+    """The variant before the LAST extension, as transformers' ``save_pretrained`` writes it and its loader
+    looks for it: ``model.v2.safetensors``, ``model.safetensors.index.v2.json``, ``pytorch_model.bin.index.v2.json``."""
     if not variant:
         return name
-    stem, ext = name.split(".", 1)
+    stem, ext = name.rsplit(".", 1)
     return f"{stem}.{variant}.{ext}"
+
+
+def is_index(name: str) -> bool:
+    """Whether a weight file name found by ``weight_candidates`` is an index (``model.safetensors.index.v2.json``)."""
+    return name.endswith(".json")
 
 
 def weight_candidates(*, variant: str | None, use_safetensors: bool | None, explicit_filename: str | None) -> list[str]:
@@ -118,7 +125,7 @@ def resolve_local(
     header_bytes = 0
     path = os.path.join(directory, found)
     index_metadata: dict[str, Any] | None = None
-    if found.endswith(".index.json"):
+    if is_index(found):
         header_bytes += os.path.getsize(path)
         files, index_metadata = _read_index(path)
     else:

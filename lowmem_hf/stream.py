@@ -700,7 +700,6 @@ def stream(
             for _, info in c.sources:
                 counts[info.file] = counts.get(info.file, 0) + 1
     reader = _reader(checkpoint_format, counts, chunk_bytes, weights_only, stats, paths, source, mmap, gap_bytes)
-    workers = getattr(source, "workers", workers)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
     hint = getattr(reader, "hint", None) if read_ahead_hints else None  # ~0.1 ms per call even when cached
     view = getattr(reader, "view", None)
