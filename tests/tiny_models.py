@@ -4,7 +4,8 @@ Most default configs describe the released checkpoint (hidden 4096, 32 layers, v
 build hundreds of times in a test. ``tiny_config(model_type)`` starts from those defaults and shrinks every
 size attribute it knows by name (``SIZES``), recursively through sub-configs (text, vision, audio, encoder,
 decoder), then repairs what the shrink breaks: per-layer lists cut to the new layer count, token ids kept
-inside the vocabulary, heads that divide the width. Policy is data: the tables below, no per-model branches.
+inside the vocabulary, heads that divide the width, backbone outputs moved to stages that still exist. Policy
+is data: the tables below, no per-model branches.
 A type whose defaults cannot be shrunk this way fails to build, and the sweep skips it with the reason.
 """
 
@@ -47,8 +48,10 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"), 2),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"), 128),
-    "head_dim": WIDTH // HEADS,
-    "d_kv": WIDTH // HEADS,
+    **dict.fromkeys(("head_dim", "d_kv", "d_head"), WIDTH // HEADS),
+    "mamba_n_heads": HEADS,
+    "mamba_d_ssm": WIDTH,  # = mamba_n_heads * mamba_d_head where a config states both (falcon_h1: 8)
+    "mamba_d_head": 2 * WIDTH // HEADS,  # set from mamba_expand (2) * hidden_size / mamba_n_heads when built
     "kv_lora_rank": 16,
     "q_lora_rank": 16,
     "qk_rope_head_dim": 8,
@@ -66,9 +69,15 @@ LIST_SIZES: dict[str, int] = {
          "embedding_dims", "stage_channels", "widths", "dims"),
         WIDTH,
     ),
+    "num_attention_heads_per_layer": HEADS,
 }
 # per-layer lists, cut to the new layer count
-LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "attn_layer_indices", "mlp_only_layers")
+LAYER_LISTS = (
+    "layer_types", "layers_block_type", "block_types", "mlp_layer_types", "attention_layers", "kv_source_layers",
+    "num_attention_heads_per_layer",
+)
+# lists of layer indices, kept to the indices below the new layer count
+LAYER_INDEX_LISTS = ("attn_layer_indices", "mlp_only_layers")
 
 
 def _int_attr(config: PreTrainedConfig, name: str) -> int | None:
@@ -88,13 +97,20 @@ def shrink(config: PreTrainedConfig) -> PreTrainedConfig:
         value = config.__dict__.get(name)
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             setattr(config, name, type(value)(min(v, tiny) for v in value))
-    for name in LAYER_LISTS:
+    counted_by = next((name for name, before in layers_before.items() if before), None)  # the layer count
+    layers = _int_attr(config, counted_by) if counted_by else None
+    for name in (*LAYER_LISTS, *LAYER_INDEX_LISTS) if layers is not None else ():
         value = config.__dict__.get(name)  # stored lists only (some configs derive them in a property)
-        layers = next((_int_attr(config, n) for n, before in layers_before.items() if before), None)
-        if isinstance(value, list) and layers is not None:
-            setattr(config, name, value[:layers] if name in ("layer_types", "layers_block_type", "block_types") else [
+        if isinstance(value, list):
+            setattr(config, name, value[:layers] if name in LAYER_LISTS else [
                 i for i in value if isinstance(i, int) and i < layers
             ])
+    stages = config.__dict__.get("stage_names")
+    if (isinstance(stages, list) and layers is not None and len(stages) == layers_before[counted_by] + 1 > layers + 1
+            and hasattr(config, "set_output_features_output_indices")):
+        # a backbone with one stage per layer (ViT-like): its outputs name stages the shrink removed
+        config.stage_names = stages[: layers + 1]
+        config.set_output_features_output_indices(out_features=None, out_indices=None)
     vocab = _int_attr(config, "vocab_size")
     if vocab is not None:  # special tokens past the shrunk vocabulary get the last ids, in name order
         outside = sorted(
