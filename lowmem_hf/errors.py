@@ -18,6 +18,7 @@ __all__ = [
     "IncompleteLoadError",
     "UnsupportedArgumentError",
     "RankFailedError",
+    "RemoteFileChangedError",
 ]
 
 
@@ -66,3 +67,7 @@ class UnsupportedArgumentError(LowMemError, NotImplementedError):
 
 class RankFailedError(LowMemError, RuntimeError):
     """Another rank of a cooperative Hub fetch died or failed; the message names it."""
+
+
+class RemoteFileChangedError(LowMemError, OSError):
+    """A remote file no longer matches the size/etag the load was planned with."""

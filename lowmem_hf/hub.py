@@ -22,16 +22,8 @@ from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .resolve import (
-    _header_length,
-    add_tensors,
-    is_index,
-    parse_index,
-    parse_safetensors_header,
-    read_safetensors_header,
-    read_torch_header,
-    weight_candidates,
-)
+from .formats import safetensors, torch_pickle
+from .resolve import add_tensors, is_index, parse_index, weight_candidates
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
 __all__ = ["pin_revision", "resolve_hub", "HubArgs"]
@@ -134,9 +126,8 @@ def _ranged(remote: RemoteFile, start: int, stop: int, hub: HubArgs) -> bytes:
 
 
 def _remote_header(remote: RemoteFile, hub: HubArgs):
-    header_len = _header_length(_ranged(remote, 0, 8, hub), remote.size, remote.filename)
-    raw = _ranged(remote, 8, 8 + header_len, hub)
-    return parse_safetensors_header(raw, header_len=header_len, file_size=remote.size, name=remote.filename), 8 + header_len
+    """A remote safetensors file's header, read with two Range requests (its length, then the header)."""
+    return safetensors.read_header_by_ranges(lambda start, stop: _ranged(remote, start, stop, hub), size=remote.size, name=remote.filename)
 
 
 def resolve_hub(
@@ -195,13 +186,13 @@ def resolve_hub(
         cached = _cached(repo_id, name, commit, hub)
         if not is_safetensors:
             cached = cached or _download(repo_id, name, commit, hub)
-            infos, nbytes, file_fmt = read_torch_header(cached, weights_only=weights_only)
+            infos, nbytes, file_fmt = torch_pickle.read_header(cached, weights_only=weights_only)
             fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
         elif cached is not None:
-            infos, nbytes = read_safetensors_header(cached)
+            infos, nbytes = safetensors.read_header(cached)
         elif offline:
             cached = _download(repo_id, name, commit, hub)  # raises huggingface_hub's own offline error
-            infos, nbytes = read_safetensors_header(cached)
+            infos, nbytes = safetensors.read_header(cached)
         else:
             remote[repo_path] = (remote_found if remote_found and remote_found.filename == repo_path
                                  else _remote(repo_id, name, commit, hub))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .plan.dtypes import parse_dtype
+from .plan.sharding import box_runs
 
 __all__ = ["save_pretrained"]
 
@@ -247,8 +248,6 @@ def _write_gathered(fd: int | None, start: int, entry: _Entry, group, rank: int)
     one at a time and ``pwrite``s each at its place in the row-major layout (one run per leading index for
     ``d > 0``). Rank 0 holds at most its own shard plus one received shard of this tensor.
     """
-    from .dcp import box_runs
-
     t = entry.tensor.detach()
     if not isinstance(t, DTensor):
         if rank == 0:

@@ -97,7 +97,7 @@ class Checkpoint:
     """Hub loads: repo path -> file already in the HF cache (read locally, never fetched again)."""
     layout: Any = None
     """Sharded training checkpoints (``CheckpointFormat.DCP``): where each stored chunk of every tensor is
-    (a ``dcp.DcpLayout``); ``None`` for the Hub layout."""
+    (a ``formats.dcp.DcpLayout``); ``None`` for the Hub layout."""
 
 
 @dataclass(frozen=True)
@@ -198,14 +198,19 @@ class LoadPlan:
 
     @property
     def files(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
+        return tuple(self.reads_per_file())
+
+    def reads_per_file(self) -> dict[str, int]:
+        """How many stored tensors this plan reads from each file (a converted group's sources included), files in
+        the order the plan first reads them: a reader lets a file go after its last read."""
+        counts: dict[str, int] = {}
         for s in self.submodules:
             for r in s.reads:
-                seen.setdefault(r.source.file)
+                counts[r.source.file] = counts.get(r.source.file, 0) + 1
             for c in s.conversions:
                 for _, t in c.sources:
-                    seen.setdefault(t.file)
-        return tuple(seen)
+                    counts[t.file] = counts.get(t.file, 0) + 1
+        return counts
 
 
 @dataclass(frozen=True)

@@ -94,10 +94,11 @@ def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, m
     # and on the cold one (more reader threads, read-ahead hints), without hanging or leaking a descriptor.
     from lowmem_hf import load as load_mod
     from lowmem_hf import stream as stream_mod
+    from lowmem_hf.formats import safetensors as safetensors_mod
 
     if cache == "cold":  # what mincore says of files not in the page cache (the bytes are the same either way)
         monkeypatch.setattr(load_mod, "cached_fraction", lambda paths: 0.0)
-    original = stream_mod.SafetensorsReader.jobs
+    original = safetensors_mod.SafetensorsReader.jobs
     shard = sharded_llama / "model-00003-of-00003.safetensors"
 
     def shrink_then_plan(self, info, dst, spec=None):
@@ -105,7 +106,7 @@ def test_file_shrinking_during_the_load_is_an_error_not_garbage(sharded_llama, m
             os.truncate(shard, 100)
         return original(self, info, dst, spec)
 
-    monkeypatch.setattr(stream_mod.SafetensorsReader, "jobs", shrink_then_plan)
+    monkeypatch.setattr(safetensors_mod.SafetensorsReader, "jobs", shrink_then_plan)
     streamed, real_stream = [], load_mod.stream
 
     def recording_stream(plan, **kwargs):

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from test_hub import weight_files
-from lowmem_hf.exchange import schedule_spans
+from lowmem_hf.sources.exchange import schedule_spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")

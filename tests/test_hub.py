@@ -13,7 +13,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 import lowmem_hf
 from hub_server import use_hub
 from lowmem_hf import CheckpointNotFoundError
-from lowmem_hf.fetch import RemoteFileChangedError
+from lowmem_hf.errors import RemoteFileChangedError
 
 Causal = lowmem_hf.LowMemAutoModelForCausalLM
 

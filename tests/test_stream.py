@@ -12,9 +12,12 @@ import transformers
 from lowmem_hf import load as load_mod
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.errors import CorruptCheckpointError
-from lowmem_hf.stream import (
-    COLD_WORKERS, DEFAULT_WORKERS, GAP_BYTES, LocalFiles, StreamStats, TorchReader, _release_pages, cached_fraction, chunk_spans,
-)
+from lowmem_hf.formats import StreamStats
+from lowmem_hf.formats.torch_pickle import TorchReader
+from lowmem_hf.plan.sharding import chunk_spans
+from lowmem_hf.sources.local import GAP_BYTES, LocalFiles, cached_fraction
+from lowmem_hf.sources.local import release_pages as _release_pages
+from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS
 from lowmem_hf.types import ShardSpec, TensorInfo
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]

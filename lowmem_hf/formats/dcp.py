@@ -1,4 +1,4 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint): resolve their layout, read each rank's part.
+"""Sharded training checkpoints (torch.distributed.checkpoint): read their layout, read each rank's part.
 
 Two on-disk formats, both written by DCP:
 
@@ -13,8 +13,9 @@ What is DCP's: the metadata (``FileSystemReader.read_metadata``, ``HuggingFaceSt
 global shapes, dtypes, every chunk's offsets and sizes, which file and byte range holds it). What is ours:
 reading only the part of a chunk that overlaps this rank's slice. DCP's ``FileSystemReader.read_data``
 ``torch.load``s every stored chunk whole before narrowing it, so every TP rank reads (and holds) whole
-chunks; the safetensors reader maps whole files. Here each rank ``preadv``s only the byte runs of the
-overlap, straight into its destination, through the same staging as the Hub-format readers.
+chunks; the safetensors reader maps whole files. Here each rank reads only the byte runs of the overlap
+from its byte source (``LocalFiles``: ``preadv``), straight into its destination, through the same staging as
+the Hub-format readers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import collections
 import functools
 import io
-import itertools
 import math
 import os
 import pickle
@@ -35,19 +35,22 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
-from .types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from ..plan.sharding import box_runs, overlap, split_runs, wanted_box
+from ..sources import ByteSource
+from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
+from . import safetensors
+from .base import Reader, Staging, StreamStats, byte_view
 
 __all__ = [
     "StoredChunk",
     "DcpLayout",
     "is_dcp_dir",
-    "resolve_dcp",
+    "read_layout",
     "check_complete",
-    "overlap",
-    "box_runs",
-    "split_runs",
     "DcpReader",
+    "open_reader",
+    "staging_bytes",
 ]
 
 DCP_METADATA = ".metadata"
@@ -85,7 +88,7 @@ class DcpLayout:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Resolve
+# Layout
 # ---------------------------------------------------------------------------------------------------------
 def is_dcp_dir(directory: str) -> bool:
     """Whether ``directory`` holds a sharded training checkpoint: ``.metadata`` + ``*.distcp``, or transformers'
@@ -99,34 +102,25 @@ def is_dcp_dir(directory: str) -> bool:
     return any(HF_SHARD_PATTERN.match(n) for n in names) and not hub_layout.intersection(names)
 
 
-def resolve_dcp(name_or_path: str, *, subfolder: str = "") -> Checkpoint:
-    """Read a sharded training checkpoint's metadata into a ``Checkpoint`` (global shapes, chunks; no tensor byte).
+def read_layout(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
+    """Read a sharded training checkpoint's metadata (global shapes, chunks; no tensor byte).
+
+    Returns:
+        ``(layout, {key: TensorInfo}, bytes_read)``.
 
     Raises:
         CheckpointNotFoundError: neither format's files are there.
         CorruptCheckpointError: a chunk that lies past the end of its file (a truncated ``.distcp`` or shard).
     """
-    directory = os.path.abspath(os.path.join(str(name_or_path), subfolder))
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     if DCP_METADATA in names:
-        layout, infos, header_bytes = _resolve_distcp(directory)
-    elif any(HF_SHARD_PATTERN.match(n) for n in names):
-        layout, infos, header_bytes = _resolve_hf_sharded(directory, [n for n in names if HF_SHARD_PATTERN.match(n)])
-    else:
-        raise CheckpointNotFoundError(
-            f"{directory} is not a sharded training checkpoint: expected {DCP_METADATA} plus *{DISTCP_SUFFIX} files "
-            "(torch.distributed.checkpoint.save) or shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files "
-            "(save_pretrained(..., distributed_checkpoint=True)). Check the path, or drop checkpoint_format='dcp'."
-        )
-    files = sorted({c.file for chunks in layout.chunks.values() for c in chunks})
-    return Checkpoint(
-        name_or_path=str(name_or_path),
-        format=CheckpointFormat.DCP,
-        files=tuple(files),
-        tensors=infos,
-        index_metadata=None,
-        header_bytes=header_bytes,
-        layout=layout,
+        return _read_distcp(directory)
+    if any(HF_SHARD_PATTERN.match(n) for n in names):
+        return _read_hf_sharded(directory, [n for n in names if HF_SHARD_PATTERN.match(n)])
+    raise CheckpointNotFoundError(
+        f"{directory} is not a sharded training checkpoint: expected {DCP_METADATA} plus *{DISTCP_SUFFIX} files "
+        "(torch.distributed.checkpoint.save) or shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files "
+        "(save_pretrained(..., distributed_checkpoint=True)). Check the path, or drop checkpoint_format='dcp'."
     )
 
 
@@ -135,7 +129,7 @@ def _tensor_info(key: str, chunks: tuple[StoredChunk, ...], dtype: torch.dtype, 
     return TensorInfo(key=key, file=min(c.file for c in chunks), dtype=dtype, shape=shape, offset=None)
 
 
-def _resolve_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
+def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
@@ -180,10 +174,8 @@ def _resolve_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], i
     return DcpLayout("distcp", chunks), infos, os.path.getsize(metadata_path)
 
 
-def _resolve_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
+def _read_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-
-    from .resolve import read_safetensors_header
 
     # Our own header parse first: it checks every tensor lies inside its file (naming a truncated shard) and
     # knows the byte offsets, which DCP's reader keeps to itself (it reads through safe_open's mapping).
@@ -191,7 +183,7 @@ def _resolve_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, di
     header_bytes = 0
     for name in names:
         path = os.path.join(directory, name)
-        infos, nbytes = read_safetensors_header(path)
+        infos, nbytes = safetensors.read_header(path)
         header_bytes += nbytes
         for key, info in infos.items():
             offsets[(path, key)] = info
@@ -232,100 +224,17 @@ def check_complete(model: Any, plan: LoadPlan, checkpoint: Checkpoint) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Overlap arithmetic (pure)
-# ---------------------------------------------------------------------------------------------------------
-def wanted_box(shape: tuple[int, ...], shard: ShardSpec | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(start, stop)`` of this rank's part of a global tensor: all of it, or ``shard``'s slice."""
-    start, stop = [0] * len(shape), list(shape)
-    if shard is not None:
-        start[shard.dim], stop[shard.dim] = shard.start, shard.stop
-    return tuple(start), tuple(stop)
-
-
-def overlap(
-    chunk_offsets: tuple[int, ...], chunk_sizes: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The intersection ``(lo, hi)`` (global coordinates) of a stored chunk with the box ``[start, stop)``, or None."""
-    lo = tuple(max(o, s) for o, s in zip(chunk_offsets, start))
-    hi = tuple(min(o + n, e) for o, n, e in zip(chunk_offsets, chunk_sizes, stop))
-    if any(h <= l for l, h in zip(lo, hi)) and len(lo):
-        return None
-    return lo, hi
-
-
-def box_runs(
-    src_shape: tuple[int, ...], src_start: tuple[int, ...], dst_shape: tuple[int, ...], dst_start: tuple[int, ...],
-    size: tuple[int, ...],
-) -> list[tuple[int, int, int]]:
-    """Copy a box of ``size`` from ``src_start`` in a row-major ``src_shape`` tensor to ``dst_start`` in ``dst_shape``:
-    the contiguous ``(src_element, dst_element, n)`` runs, in source order.
-
-    Trailing dimensions the box covers fully in both tensors merge into one run, so a whole chunk read into a
-    whole destination is a single run, and a dim-0 slice of a dim-0 chunk too.
-    """
-    nd = len(size)
-    if nd == 0:
-        return [(0, 0, 1)]
-    if any(n == 0 for n in size):
-        return []
-    src_strides = [math.prod(src_shape[d + 1 :]) for d in range(nd)]
-    dst_strides = [math.prod(dst_shape[d + 1 :]) for d in range(nd)]
-    # merge trailing dims: dim d joins the run if every dim after it is covered whole in src and dst
-    first = nd - 1
-    while first > 0 and size[first] == src_shape[first] == dst_shape[first]:
-        first -= 1
-    run = size[first] * src_strides[first]
-    src0 = sum(s * st for s, st in zip(src_start, src_strides))
-    dst0 = sum(s * st for s, st in zip(dst_start, dst_strides))
-    runs = []
-    for index in itertools.product(*(range(n) for n in size[:first])):
-        s = src0 + sum(i * st for i, st in zip(index, src_strides))
-        d = dst0 + sum(i * st for i, st in zip(index, dst_strides))
-        runs.append((s, d, run))
-    return runs
-
-
-def split_runs(runs: list[tuple[int, int, int]], itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """Group ``(src, dst, n)`` runs into jobs of at most ``chunk_bytes`` (long runs split; at least one element)."""
-    limit = max(1, chunk_bytes // itemsize)
-    jobs: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    used = 0
-    for src, dst, n in runs:
-        while n:
-            take = min(n, limit - used)
-            current.append((src, dst, take))
-            src, dst, n, used = src + take, dst + take, n - take, used + take
-            if used == limit:
-                jobs.append(current)
-                current, used = [], 0
-    if current:
-        jobs.append(current)
-    return jobs
-
-
-def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Runs of a job whose source bytes follow each other: one ``preadv`` each (up to ``_MAX_IOV`` buffers)."""
-    spans: list[list[tuple[int, int, int]]] = []
-    for run in job:
-        if spans and len(spans[-1]) < _MAX_IOV and spans[-1][-1][0] + spans[-1][-1][2] == run[0]:
-            spans[-1].append(run)
-        else:
-            spans.append([run])
-    return spans
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Read
 # ---------------------------------------------------------------------------------------------------------
 class _FileView(io.RawIOBase):
-    """A read-only window ``[offset, offset + length)`` of a file, by ``pread``: what ``torch.load`` and the zip
-    reader need to look inside one ``.distcp`` item without reading its neighbours (DCP's own view cannot
+    """A read-only window ``[offset, offset + length)`` of a file, read from a byte source: what ``torch.load`` and
+    the zip reader need to look inside one ``.distcp`` item without reading its neighbours (DCP's own view cannot
     ``read()`` to the end, which ``zipfile`` needs)."""
 
-    def __init__(self, fd: int, offset: int, length: int, counter: Callable[[int], None]):
+    def __init__(self, source: ByteSource, file: str, offset: int, length: int, counter: Callable[[int], None]):
         super().__init__()
-        self._fd, self._offset, self._length, self._pos, self._count = fd, offset, length, 0, counter
+        self._source, self._file = source, file
+        self._offset, self._length, self._pos, self._count = offset, length, 0, counter
 
     def readable(self) -> bool:
         return True
@@ -341,14 +250,14 @@ class _FileView(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
-        n = min(len(buffer), self._length - self._pos)
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
         if n <= 0:
             return 0
-        data = os.pread(self._fd, n, self._offset + self._pos)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        self._count(len(data))
-        return len(data)
+        self._source.read(self._file, view[:n], self._offset + self._pos)
+        self._pos += n
+        self._count(n)
+        return n
 
 
 class _TensorPickle(pickle.Unpickler):
@@ -379,29 +288,30 @@ class _Located:
     whole: torch.Tensor | None = None
 
 
-class DcpReader:
-    """The stream contract (``jobs``/``done``/``close``) over a ``DcpLayout``: reads only the overlap of each
-    stored chunk with this rank's slice, in byte runs."""
+def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Runs of a job whose source bytes follow each other: one read each (up to ``_MAX_IOV`` buffers)."""
+    spans: list[list[tuple[int, int, int]]] = []
+    for run in job:
+        if spans and len(spans[-1]) < _MAX_IOV and spans[-1][-1][0] + spans[-1][-1][2] == run[0]:
+            spans[-1].append(run)
+        else:
+            spans.append([run])
+    return spans
 
-    def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: Any):
-        from .stream import _Staging
 
+class DcpReader(Reader):
+    """The stream contract over a ``DcpLayout``: reads only the overlap of each stored chunk with this rank's
+    slice, in byte runs, from ``source`` (local files)."""
+
+    def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: StreamStats, source: ByteSource):
         self._layout = layout
         self._chunk_bytes = chunk_bytes
         self._stats = stats
-        self._staging = _Staging(stats)
-        self._fds: dict[str, int] = {}
+        self._source = source
+        self._staging = Staging(stats)
         self._located: dict[StoredChunk, _Located] = {}
         self._lock = threading.Lock()
         self._extra = 0  # archive headers read to locate .distcp tensors
-
-    def _fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-                self._stats.opened(path)
-            return fd
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -416,9 +326,8 @@ class DcpReader:
         found = self._located.get(chunk)
         if found is not None:
             return found
-        fd = self._fd(chunk.file)
         try:
-            view = _FileView(fd, chunk.byte_offset, chunk.byte_length, self._count)
+            view = _FileView(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
             archive = zipfile.ZipFile(view)
             entries = {i.filename.partition("/")[2]: i for i in archive.infolist()}
             tensor = _TensorPickle(io.BytesIO(archive.read(entries["data.pkl"]))).load()
@@ -444,7 +353,9 @@ class DcpReader:
         if row_major and tensor["offset"] == 0 and little == (sys.byteorder == "little"):
             located = _Located(chunk.byte_offset + data_offset)
         else:
-            whole = torch.load(_FileView(fd, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True)
+            whole = torch.load(
+                _FileView(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
+            )
             self._stats.staged(whole.nbytes)
             self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
             located = _Located(None, whole.contiguous())
@@ -463,6 +374,7 @@ class DcpReader:
             box = overlap(chunk.offsets, chunk.sizes, start, stop)
             if box is None:
                 continue
+            self._stats.opened(chunk.file)
             lo, hi = box
             size = tuple(h - l for l, h in zip(lo, hi))
             covered += math.prod(size)
@@ -479,8 +391,6 @@ class DcpReader:
         return jobs
 
     def _read(self, chunk: StoredChunk, dst: torch.Tensor, job: list[tuple[int, int, int]]) -> None:
-        from .stream import _byte_view
-
         located = self._locate(chunk)
         flat = dst.view(-1)
         if located.whole is not None:
@@ -488,17 +398,16 @@ class DcpReader:
             for src, at, n in job:
                 flat[at : at + n].copy_(source[src : src + n])
             return
-        itemsize, fd = chunk.dtype.itemsize, self._fd(chunk.file)
+        itemsize, source, start = chunk.dtype.itemsize, self._source, located.data_offset
         direct = dst.device.type == "cpu" and dst.dtype == chunk.dtype and dst.is_contiguous()
         for span in _spans(job):
-            offset = located.data_offset + span[0][0] * itemsize
-            total = sum(n for _, _, n in span) * itemsize
-            if direct:
-                view = _byte_view(dst)
-                _preadv_all(fd, [view[at * itemsize : (at + n) * itemsize] for _, at, n in span], offset, total, chunk.file)
+            if direct:  # one contiguous range of the file, scattered into the destination: one call
+                view = byte_view(dst)
+                source.read_runs(chunk.file, [(view[at * itemsize : (at + n) * itemsize], start + src * itemsize) for src, at, n in span])
                 continue
+            total = sum(n for _, _, n in span) * itemsize
             buf = self._staging.get(total, pinned=dst.device.type == "cuda")
-            _preadv_all(fd, [_byte_view(buf)], offset, total, chunk.file)
+            source.read(chunk.file, byte_view(buf), start + span[0][0] * itemsize)
             values, pos = buf.view(chunk.dtype), 0
             for _, at, n in span:
                 flat[at : at + n].copy_(values[pos : pos + n])
@@ -509,30 +418,18 @@ class DcpReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
             self._located.clear()
             self._stats.bytes_read += self._extra
             self._extra = 0
 
 
-def _preadv_all(fd: int, views: list[memoryview], offset: int, total: int, path: str) -> None:
-    """``preadv`` into ``views`` (scattered destinations of one contiguous source range) until all are full."""
-    done = os.preadv(fd, views, offset)
-    if done == total:
-        return
-    # a short read (signal, or a file cut while loading): finish view by view, and name the file if it ended
-    pos = 0
-    for view in views:
-        end = pos + len(view)
-        while done < end:
-            part = view[done - pos :]
-            n = os.preadv(fd, [part], offset + done)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{path}: expected {total} bytes at offset {offset}, the file ended after {done}. "
-                    "It was truncated while loading: copy it again."
-                )
-            done += n
-        pos = end
+def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
+    """The reader of a sharded training checkpoint (``checkpoint.layout``). ``.distcp`` items are read as raw bytes;
+    the rare chunk stored with other strides is loaded with ``weights_only=True`` whatever ``weights_only`` says."""
+    return DcpReader(checkpoint.layout, chunk_bytes, stats, source)
+
+
+
+def staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, workers: int, per_worker: int, converted: bool) -> int:
+    """Host bytes the reader holds beyond the destinations: as for safetensors (raw bytes, read by ranges)."""
+    return safetensors.staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=converted)

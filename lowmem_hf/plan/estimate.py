@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..formats import FORMATS
 from ..types import Checkpoint, CheckpointFormat, LoadPlan
 
 __all__ = ["PlanEstimate", "estimate_plan", "bytes_to_read", "final_bytes"]
@@ -85,26 +86,18 @@ def final_bytes(model: torch.nn.Module, plan: LoadPlan) -> int:
 
 
 def _staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, chunk_bytes: int, workers: int) -> int:
-    """The stream's largest host footprint beyond the destinations (see ``stream.py``'s readers)."""
+    """The stream's largest host footprint beyond the destinations: its reader's (``formats/``), or a converted group."""
     converted = [r for r in plan.reads if r.decision.dtype != r.source.dtype]
     # each worker thread's buffer grows to the largest chunk it stages: at most chunk_bytes, at most one tensor
     largest = max((math.prod(r.local_shape) * r.source.dtype.itemsize for r in (converted or plan.reads)), default=0)
     per_worker = min(chunk_bytes, largest)
-    if checkpoint.format in (CheckpointFormat.SAFETENSORS, CheckpointFormat.DCP):
-        chunks = workers * per_worker if converted else 0  # same dtype lands in place
-    elif checkpoint.format == CheckpointFormat.TORCH_ZIP:
-        chunks = workers * per_worker  # mapped pages of the chunks being copied
-    else:  # a legacy pickle is loaded whole, one shard at a time
-        sizes = Counter()
-        for info in checkpoint.tensors.values():
-            sizes[info.file] += info.nbytes
-        chunks = max((sizes[f] for f in plan.files), default=0)
+    reader = FORMATS[checkpoint.format].staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=bool(converted))
     groups = [
         sum(math.prod(i.shape) * c.decision.dtype.itemsize for _, i in c.sources)
         for s in plan.submodules
         for c in s.conversions
     ]
-    return max([chunks, *groups])
+    return max([reader, *groups])
 
 
 def _dtype_summary(plan: LoadPlan) -> tuple[str, ...]:

@@ -12,8 +12,11 @@ projection whose heads do not divide fails later in forward, so lowmem_hf refuse
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Mapping
+
+import torch
 
 from ..types import ShardSpec
 
@@ -26,6 +29,12 @@ __all__ = [
     "element_runs",
     "interval_runs",
     "chunk_runs",
+    "split_runs",
+    "chunk_spans",
+    "wanted_box",
+    "overlap",
+    "box_runs",
+    "slice_tensor",
     "check_head_divisibility",
 ]
 
@@ -184,21 +193,103 @@ def interval_runs(shape: tuple[int, ...], intervals: tuple[tuple[tuple[int, int]
 def chunk_runs(runs: list[tuple[int, int]], itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
     """Group runs into chunks of at most ``chunk_bytes`` (splitting long runs): ``[[(src, dst, n), ...], ...]``.
 
-    ``src`` is the element offset in the stored tensor, ``dst`` in the local destination.
+    ``src`` is the element offset in the stored tensor, ``dst`` in the local destination (the runs, in order).
     """
+    placed, dst = [], 0
+    for src, n in runs:
+        placed.append((src, dst, n))
+        dst += n
+    return split_runs(placed, itemsize, chunk_bytes)
+
+
+def split_runs(runs: list[tuple[int, int, int]], itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Group ``(src, dst, n)`` runs into jobs of at most ``chunk_bytes`` (long runs split; at least one element)."""
     limit = max(1, chunk_bytes // itemsize)
-    chunks: list[list[tuple[int, int, int]]] = []
+    jobs: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
     used = 0
-    dst = 0
-    for src, n in runs:
+    for src, dst, n in runs:
         while n:
             take = min(n, limit - used)
             current.append((src, dst, take))
             src, dst, n, used = src + take, dst + take, n - take, used + take
             if used == limit:
-                chunks.append(current)
+                jobs.append(current)
                 current, used = [], 0
     if current:
-        chunks.append(current)
-    return chunks
+        jobs.append(current)
+    return jobs
+
+
+def wanted_box(shape: tuple[int, ...], shard: ShardSpec | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(start, stop)`` of this rank's part of a global tensor: all of it, or ``shard``'s slice."""
+    start, stop = [0] * len(shape), list(shape)
+    if shard is not None:
+        start[shard.dim], stop[shard.dim] = shard.start, shard.stop
+    return tuple(start), tuple(stop)
+
+
+def overlap(
+    chunk_offsets: tuple[int, ...], chunk_sizes: tuple[int, ...], start: tuple[int, ...], stop: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection ``(lo, hi)`` (global coordinates) of a stored chunk with the box ``[start, stop)``, or None."""
+    lo = tuple(max(o, s) for o, s in zip(chunk_offsets, start))
+    hi = tuple(min(o + n, e) for o, n, e in zip(chunk_offsets, chunk_sizes, stop))
+    if any(h <= l for l, h in zip(lo, hi)) and len(lo):
+        return None
+    return lo, hi
+
+
+def box_runs(
+    src_shape: tuple[int, ...], src_start: tuple[int, ...], dst_shape: tuple[int, ...], dst_start: tuple[int, ...],
+    size: tuple[int, ...],
+) -> list[tuple[int, int, int]]:
+    """Copy a box of ``size`` from ``src_start`` in a row-major ``src_shape`` tensor to ``dst_start`` in ``dst_shape``:
+    the contiguous ``(src_element, dst_element, n)`` runs, in source order.
+
+    Trailing dimensions the box covers fully in both tensors merge into one run, so a whole chunk read into a
+    whole destination is a single run, and a dim-0 slice of a dim-0 chunk too.
+    """
+    nd = len(size)
+    if nd == 0:
+        return [(0, 0, 1)]
+    if any(n == 0 for n in size):
+        return []
+    src_strides = [math.prod(src_shape[d + 1 :]) for d in range(nd)]
+    dst_strides = [math.prod(dst_shape[d + 1 :]) for d in range(nd)]
+    # merge trailing dims: dim d joins the run if every dim after it is covered whole in src and dst
+    first = nd - 1
+    while first > 0 and size[first] == src_shape[first] == dst_shape[first]:
+        first -= 1
+    run = size[first] * src_strides[first]
+    src0 = sum(s * st for s, st in zip(src_start, src_strides))
+    dst0 = sum(s * st for s, st in zip(dst_start, dst_strides))
+    runs = []
+    for index in itertools.product(*(range(n) for n in size[:first])):
+        s = src0 + sum(i * st for i, st in zip(index, src_strides))
+        d = dst0 + sum(i * st for i, st in zip(index, dst_strides))
+        runs.append((s, d, run))
+    return runs
+
+
+def chunk_spans(numel: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` covering ``numel`` elements, each at most ``chunk_bytes`` bytes (min one element)."""
+    step = max(1, chunk_bytes // itemsize)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def slice_tensor(t: torch.Tensor, shard: ShardSpec | None) -> torch.Tensor:
+    """``t``'s slice described by ``shard``: a view for one range per dim, a copy where a dim has several runs."""
+    if shard is None:
+        return t
+    if shard.intervals is None:
+        return t.narrow(shard.dim, shard.start, shard.stop - shard.start)
+    for dim, runs in enumerate(shard.intervals):
+        if runs == ((0, t.shape[dim]),):
+            continue
+        if len(runs) == 1:
+            t = t.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        else:  # several runs (a strided shard) or none (an uneven shard that left this rank nothing)
+            t = torch.cat([t.narrow(dim, a, b - a) for a, b in runs], dim=dim) if runs else t.narrow(dim, 0, 0)
+    return t
+

@@ -35,10 +35,11 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import LowMemError, RankFailedError
-from .fetch import HttpRanges, RemoteFileChangedError
-from .plan.sharding import element_runs
-from .types import LoadPlan, RemoteFile
+from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
+from ..plan.sharding import element_runs
+from ..types import LoadPlan, RemoteFile
+from . import ByteSource
+from .http import HttpRanges
 
 __all__ = ["CooperativeRanges", "schedule_spans", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
 
@@ -116,11 +117,12 @@ def schedule_spans(
     return wave_of, spans_per_wave
 
 
-class CooperativeRanges:
+class CooperativeRanges(ByteSource):
     """The byte source of a cooperative fetch (see the module doc): ``read(file, view, offset)`` from the wave."""
 
     read_ahead = False  # a wave's spans are dropped when the next wave starts: the stream must not run ahead
     workers = 2  # reads are copies out of memory
+    band_reads = True  # a read is a lookup among the wave's spans: one per band of rows, not one per row
 
     def __init__(
         self,

@@ -1,0 +1,69 @@
+"""Byte sources: where a format's reader gets the bytes of a checkpoint file, behind one small protocol.
+
+A reader asks for ``(file, offset)`` into views it owns (a destination tensor's memory or a staging buffer);
+the source decides how the bytes arrive:
+
+- ``local.LocalFiles``: ``preadv`` from local files (also a file's path and mapping, and page-cache hints);
+- ``http.HttpRanges``: HTTP Range requests through huggingface_hub, nothing written to disk;
+- ``exchange.CooperativeRanges``: under a process group, every byte fetched once by one rank and broadcast.
+
+``file`` is a ``TensorInfo.file``: a local path, or the repo path of a Hub checkpoint's file.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ByteSource"]
+
+
+class ByteSource:
+    """The protocol every byte source keeps. A default here is what a source without that capability does.
+
+    Readers call ``read``/``read_runs`` (from several threads at once), ``will_need`` and ``release``; the stream
+    calls ``before_submodule``, honours ``read_ahead`` and ``workers``, and calls ``close`` once every read is
+    done; the load report reads the counters.
+    """
+
+    workers: int | None = None
+    """Reader threads this source wants; None: as many as suit local files (``stream.choose_workers``)."""
+    read_ahead: bool = True
+    """False: the stream must not read ahead of the submodule it yields (the source drops bytes between them)."""
+    band_reads: bool = False
+    """Read a slice of many short runs (a dim-1 slice: one per row) as bands of whole rows, one ``read`` per
+    band, dropping the bytes between the runs: for sources where each ``read`` costs a request."""
+    gap_bytes_allowed: int = 0
+    """Largest gap between two runs that one read may read through and drop (0: each run is its own read)."""
+
+    # Counters, for the load report.
+    requests: int = 0
+    """HTTP requests made."""
+    bytes_fetched: int = 0
+    """Body bytes received from the network."""
+    bytes_received: int = 0
+    """Bytes received from other ranks."""
+    gap_bytes_read: int = 0
+    """Bytes read between runs and dropped."""
+
+    def read(self, file: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes of ``file`` from ``offset``; raise a ``LowMemError`` naming the file if it cannot."""
+        raise NotImplementedError
+
+    def read_runs(self, file: str, parts: list[tuple[memoryview, int]]) -> None:
+        """Fill each ``(view, offset)`` of ``parts`` (ascending, non-overlapping offsets) from ``file``."""
+        for view, offset in parts:
+            self.read(file, view, offset)
+
+    def count_gap(self, nbytes: int) -> None:
+        """Count ``nbytes`` a reader read between runs and dropped (sources with ``gap_bytes_allowed`` only)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no gaps (gap_bytes_allowed is 0)")
+
+    def will_need(self, file: str, start: int, stop: int) -> None:
+        """A hint: ``[start, stop)`` of ``file`` will be read soon (files not in the page cache)."""
+
+    def before_submodule(self, name: str) -> None:
+        """The stream is about to make the reads of submodule ``name``."""
+
+    def release(self, file: str) -> None:
+        """Every planned read of ``file`` is done."""
+
+    def close(self) -> None:
+        """The load is over (or failed): release everything."""

@@ -1,0 +1,116 @@
+"""HTTP ranges: a Hub file's planned bytes fetched with Range requests through huggingface_hub's session.
+
+Nothing is written to disk. A dropped connection resumes from the last byte received; a remote file whose
+size or etag differs from the plan raises ``RemoteFileChangedError`` instead of yielding a corrupted tensor.
+Files already in the HF cache are read there (``LocalFiles``) and fetched not at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Mapping
+
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+from ..errors import CorruptCheckpointError, RemoteFileChangedError
+from ..types import RemoteFile
+from . import ByteSource
+from .local import LocalFiles
+
+# huggingface_hub 2.x ships httpx under its own module name; its transport errors are what a dropped
+# connection raises mid-body, and they are the ones worth a resume.
+try:
+    import httpx2 as _httpx
+except ImportError:  # pragma: no cover - older huggingface_hub
+    import httpx as _httpx
+
+__all__ = ["HttpRanges"]
+
+_MAX_ATTEMPTS = 5
+
+
+class HttpRanges(ByteSource):
+    """Byte source over HTTP Range requests (see module doc). Thread-safe: huggingface_hub's client is."""
+
+    # Requests wait on the network, not the CPU: more of them in flight hides per-request latency (a dim-1
+    # slice is one request per row). In-flight memory stays workers x chunk_bytes.
+    workers = 8
+    band_reads = True
+
+    def __init__(self, remote: Mapping[str, RemoteFile], *, token=None, local: Mapping[str, str] | None = None):
+        self._remote = remote
+        self._count = threading.Lock()
+        self.requests = 0
+        """HTTP requests made (a resumed request counts again)."""
+        self.bytes_fetched = 0
+        """Body bytes received from the network."""
+        self._headers = build_hf_headers(token=token)
+        self._headers["Accept-Encoding"] = "identity"  # sizes and offsets are of the raw bytes
+        self._local = None
+        if local:
+            self._local = LocalFiles(local)  # already in the HF cache: read there, fetch nothing
+
+    def read(self, file: str, view: memoryview, offset: int) -> None:
+        if file not in self._remote:
+            self._local.read(file, view, offset)
+            return
+        remote = self._remote[file]
+        end = offset + len(view)
+        received = 0
+        for attempt in range(_MAX_ATTEMPTS):
+            if received == len(view):
+                return
+            headers = dict(self._headers, Range=f"bytes={offset + received}-{end - 1}")
+            before = received
+            try:
+                with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True) as response:
+                    hf_raise_for_status(response)
+                    self._check(remote, response, offset + received, end)
+                    for piece in response.iter_bytes():
+                        take = min(len(piece), len(view) - received)
+                        view[received : received + take] = piece[:take]
+                        received += take
+            except (_httpx.TransportError, _httpx.StreamError):
+                pass  # resume below from the last byte received
+            finally:
+                with self._count:
+                    self.requests += 1
+                    self.bytes_fetched += received - before
+            if received < len(view):
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        if received < len(view):
+            raise CorruptCheckpointError(
+                f"{remote.filename}: got {received} of {len(view)} bytes at offset {offset} after {_MAX_ATTEMPTS} "
+                "attempts; the connection keeps dropping. Retry, or use fetch='files'."
+            )
+
+    @staticmethod
+    def _check(remote: RemoteFile, response, start: int, end: int) -> None:
+        if response.status_code != 206:
+            raise CorruptCheckpointError(
+                f"{remote.filename}: asked for bytes {start}-{end - 1}, the server answered {response.status_code} "
+                "instead of 206 Partial Content; the endpoint must support Range requests (use fetch='files')."
+            )
+        content_range = response.headers.get("Content-Range", "")
+        total = content_range.rpartition("/")[2]
+        if total.isdigit() and int(total) != remote.size:
+            raise RemoteFileChangedError(
+                f"{remote.filename}: the load was planned for a file of {remote.size} bytes (etag {remote.etag}) "
+                f"but the server now has {int(total)} bytes. The file changed; load again to re-plan."
+            )
+        # After a redirect (the Hub's CDN) the plain ETag is the CDN's own; X-Linked-Etag is always the file's.
+        etag = response.headers.get("X-Linked-Etag") or (None if response.history else response.headers.get("ETag"))
+        if etag is not None and remote.etag is not None and etag.strip('"').removeprefix("W/").strip('"') != remote.etag:
+            raise RemoteFileChangedError(
+                f"{remote.filename}: the load was planned for etag {remote.etag} but the server now sends {etag}. "
+                "The file changed; load again to re-plan."
+            )
+
+    def release(self, file: str) -> None:
+        if self._local is not None and file not in self._remote:
+            self._local.release(file)
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
