@@ -1,0 +1,167 @@
+"""The package's boundaries: no import circle, and no private name used outside the module that defines it.
+
+Read from the source with ``ast`` (nothing is imported), counting every import, including the ones inside
+functions: a deferred import is still a dependency, and a circle of deferred imports is still a circle.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lowmem_hf"
+
+# Edges kept on purpose, each with the reason; every other edge of a circle fails the test.
+KNOWN_CIRCLE_EDGES = {
+    # request.transformers_defaults reads transformers' own from_pretrained through the switch's registry of the
+    # methods it replaced (patch.transformers_method), and the switch calls load/request: moving that registry into
+    # a module of its own breaks the circle (patch.py is being reworked separately).
+    ("lowmem_hf.request", "lowmem_hf.patch"),
+}
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """``{dotted name: path}`` of every module of the package under ``root`` (a package is its ``__init__``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None, ast.AST]]:
+    """``(module imported, name taken from it or None, node)`` for every import of a package module in ``path``."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    root = next(iter(modules)).split(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != root:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                # ``from . import assign`` imports a module; ``from .stream import stream`` a name of one
+                out.append((sub, None, node) if sub in modules else (target, alias.name, node))
+        elif isinstance(node, ast.Import):
+            out += [(alias.name, None, node) for alias in node.names if alias.name.split(".")[0] == root]
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each package module -> the package modules it imports (anywhere in its body)."""
+    modules = _modules(root)
+    return {
+        name: {target for target, _, _ in _imports(name, path, modules) if target in modules and target != name}
+        for name, path in modules.items()
+    }
+
+
+def circles(graph: dict[str, set[str]], known: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
+    """Import circles of ``graph`` (each as ``[a, b, ..., a]``), ignoring the ``known`` edges."""
+    found, state, stack = [], {}, []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if (module, target) in known:
+                continue
+            if state.get(target) == "open":
+                found.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def private_uses(root: Path) -> list[str]:
+    """``file:line: what`` for every private name (one leading underscore) of a package module used in another:
+    ``from .x import _y``, or ``x._y`` where ``x`` names another package module."""
+    modules = _modules(root)
+    found = []
+    for name, path in modules.items():
+        aliases = {}  # local name -> the package module it is bound to
+        for target, imported, node in _imports(name, path, modules):
+            rel = f"{path.relative_to(root.parent)}:{node.lineno}"
+            if imported is not None and imported.startswith("_") and not imported.startswith("__"):
+                found.append(f"{rel}: from {target} import {imported}")
+            for alias in node.names:
+                if imported is None and target != name:
+                    aliases[alias.asname or alias.name.split(".")[0]] = target
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+            ):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    assert circles(import_graph(PACKAGE), KNOWN_CIRCLE_EDGES) == []
+
+
+def test_the_known_circle_edges_still_exist():
+    # an exemption outlives its reason silently; once an edge is gone, drop it from KNOWN_CIRCLE_EDGES
+    graph = import_graph(PACKAGE)
+    assert [edge for edge in KNOWN_CIRCLE_EDGES if edge[1] not in graph[edge[0]]] == []
+
+
+def test_no_private_name_is_used_across_modules():
+    assert private_uses(PACKAGE) == []
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"a.py": "from .b import f\n", "b.py": "def f():\n    from .a import g\n"},  # deferred imports count
+        {"a.py": "from . import b\n", "b.py": "import pkg.c\n", "c.py": "from .a import x\n"},
+        {"sub/__init__.py": "from ..a import x\n", "a.py": "from .sub import y\n"},
+    ],
+    ids=["deferred", "three-modules", "subpackage"],
+)
+def test_a_circle_is_found(tmp_path, files):
+    assert circles(import_graph(_package(tmp_path, files)))
+
+
+@pytest.mark.parametrize(
+    "files,expected",
+    [
+        ({"a.py": "from .b import _helper\n", "b.py": "def _helper(): pass\n"}, "from pkg.b import _helper"),
+        ({"a.py": "from . import b\nb._helper()\n", "b.py": "def _helper(): pass\n"}, "pkg.b._helper"),
+        ({"a.py": "import pkg.b as m\nm._X\n", "b.py": "_X = 1\n"}, "pkg.b._X"),
+        ({"sub/a.py": "from ..b import _X\n", "b.py": "_X = 1\n"}, "from pkg.b import _X"),
+    ],
+    ids=["from-import", "attribute", "aliased-module", "subpackage"],
+)
+def test_a_private_name_used_across_modules_is_found(tmp_path, files, expected):
+    assert any(expected in use for use in private_uses(_package(tmp_path, files)))
+
+
+def test_public_names_dunders_and_own_privates_are_fine(tmp_path):
+    files = {
+        "a.py": "from . import b as _b\nfrom .b import helper\n_b.helper()\nb = _b.__name__\n_own = 1\nprint(_own)\n",
+        "b.py": "def helper(): pass\n",
+    }
+    root = _package(tmp_path, files)
+    assert private_uses(root) == [] and circles(import_graph(root)) == []
