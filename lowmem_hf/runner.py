@@ -2,7 +2,8 @@
 
 The script runs as ``__main__`` in this process (so ``torchrun -m lowmem_hf run SCRIPT`` gives every rank the
 switch), with ``sys.argv = [SCRIPT, *ARGS]`` and the script's folder first on ``sys.path``, as ``python SCRIPT``
-would have it. Each load lowmem_hf does logs one info line (on rank 0), so the log shows who loaded the model.
+would have it. Each load lowmem_hf does prints one ``[lowmem_hf] lowmem_hf loaded ...`` line on stderr (rank 0), so
+the log shows who loaded the model, whatever logging the script configures (``logs.keep_on_stderr``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import runpy
 import sys
 
-from .logs import show_info
+from .logs import keep_on_stderr, show_info
 from .patch import patch_transformers
 
 __all__ = ["run_script"]
@@ -27,6 +28,7 @@ def run_script(script: str, args: list[str]) -> None:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"lowmem-hf run: script {script!r} does not exist (or is not a file).")
     show_info()
+    keep_on_stderr()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python SCRIPT` puts there (not the cwd)
     patch_transformers()
