@@ -4,9 +4,17 @@
 builds the model on ``meta``, plans which bytes each parameter needs from the checkpoint headers, and
 streams them submodule by submodule into memory of the final dtype, then finishes the model with
 transformers' own tying and initialization.
+
+``import lowmem_hf`` costs what ``import transformers`` costs plus the exceptions below: every other public
+name is imported on first use (PEP 562), since torch and transformers' modeling code add ~270 MiB of peak RSS
+to a process that may only want the CLI, the exceptions or the switch (``benchmarks/bench_import.py``).
 """
 
-from .auto import AUTO_CLASSES, LowMemAutoModelBase
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+import transformers as _transformers  # a lazy module: its export table names every class without importing it
+
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -15,26 +23,54 @@ from .errors import (
     MissingKeyError,
     MissingShardError,
     RankFailedError,
+    RemoteFileChangedError,
     ShapeMismatchError,
     UnsupportedArgumentError,
     UnsupportedConversionError,
 )
-from .fetch import RemoteFileChangedError
-from .load import PreparedLoad, execute, prepare
-from .patch import is_patched, patch_transformers, unpatch_transformers
-from .request import LoadRequest, make_request
-from .save import save_pretrained
-from .types import DtypeDecision, LoadReport
-
-globals().update(AUTO_CLASSES)
-
-# Named explicitly for readers and IDEs; every other LowMemAutoModelFor* comes from AUTO_CLASSES.
-LowMemAutoModel = AUTO_CLASSES["LowMemAutoModel"]
-LowMemAutoModelForCausalLM = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
-LowMemAutoModelForSequenceClassification = AUTO_CLASSES["LowMemAutoModelForSequenceClassification"]
-LowMemAutoModelForSeq2SeqLM = AUTO_CLASSES["LowMemAutoModelForSeq2SeqLM"]
 
 __version__ = "0.1.0"
+
+# One LowMem<AutoClass> per transformers AutoModel* class. The names come from transformers' export table, which
+# lists them without importing modeling_auto (and torch; `transformers.models.auto.__all__` would cost 0.2 s more
+# to build); auto.AUTO_CLASSES builds the classes from modeling_auto on first use, and tests/test_import_cost.py
+# checks that both agree.
+_AUTO_CLASS_NAMES = sorted("LowMem" + name for name in _transformers.__all__ if name.startswith("AutoModel"))
+
+# Public name -> the submodule defining it, imported when the name is first read.
+_LAZY: dict[str, str] = {
+    "AUTO_CLASSES": "auto",
+    "LowMemAutoModelBase": "auto",
+    **dict.fromkeys(_AUTO_CLASS_NAMES, "auto"),
+    "LoadRequest": "request",
+    "make_request": "request",
+    "PreparedLoad": "load",
+    "prepare": "load",
+    "execute": "load",
+    "patch_transformers": "patch",
+    "unpatch_transformers": "patch",
+    "is_patched": "patch",
+    "save_pretrained": "save",
+    "LoadReport": "types",
+    "DtypeDecision": "types",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(_importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value  # later reads are plain attribute lookups
+        return value
+    # Submodules stay attributes of the package, as they were when this file imported them all eagerly.
+    if name in {m.name for m in _pkgutil.iter_modules(__path__)}:
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "LowMemAutoModelBase",
@@ -60,5 +96,5 @@ __all__ = [
     "IncompleteLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
-    *sorted(AUTO_CLASSES),
+    *_AUTO_CLASS_NAMES,
 ]

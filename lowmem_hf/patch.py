@@ -22,13 +22,7 @@ import threading
 import warnings
 from typing import Any
 
-import transformers.models.auto.modeling_auto  # noqa: F401  (creates the AutoModel* classes the switch patches)
-from transformers import PreTrainedModel
-from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
 from .errors import UnsupportedArgumentError
-from .load import execute, prepare
-from .request import make_request
 
 __all__ = ["patch_transformers", "unpatch_transformers", "is_patched", "FallbackWarning"]
 
@@ -77,6 +71,12 @@ def patch_transformers() -> _Patch:
 
 def _classes_to_patch() -> list[type]:
     """``PreTrainedModel`` and every auto class that carries its own ``from_pretrained``."""
+    # Imported here, not at the top: ``import lowmem_hf`` stays as cheap as ``import transformers`` (see
+    # lowmem_hf/__init__.py), and is_patched / unpatch_transformers need none of transformers' modeling code.
+    import transformers.models.auto.modeling_auto  # noqa: F401  (creates the AutoModel* classes the switch patches)
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
     found, todo = [PreTrainedModel, _BaseAutoModelClass], [_BaseAutoModelClass]
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -122,6 +122,9 @@ def _switched_from_pretrained(cls, pretrained_model_name_or_path, *model_args, *
 
 
 def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
+    from .load import execute, prepare  # on the first switched call; transformers' modeling code is loaded by then
+    from .request import make_request
+
     ours = {k: v for k, v in kwargs.items() if k not in _TELEMETRY_KWARGS}
     try:
         prepared = prepare(make_request(cls, path, *model_args, **ours))
