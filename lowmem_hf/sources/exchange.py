@@ -139,8 +139,6 @@ class CooperativeRanges(ByteSource):
         """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``)."""
         self._http = HttpRanges(remote, token=token, local=local)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
-        self._store = dist.distributed_c10d._get_default_store()
-        self._timeout_s = timeout_s
         runs = _runs(plan)
         gathered: list = [None] * self._world
         dist.all_gather_object(gathered, runs)
@@ -153,15 +151,10 @@ class CooperativeRanges(ByteSource):
         self._fetching: dict[int, tuple[dict, list]] = {}  # wave -> (buffers of this rank's spans, their requests)
         self._buffers: dict[str, tuple[list[int], list[tuple[Span, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
-        self._tag = self._broadcast_tag()  # this load's store keys, unique per load
+        self._statuses = WaveStatuses(timeout_s=timeout_s)
         self.requests = 0
         self.bytes_fetched = 0
         self.bytes_received = 0
-
-    def _broadcast_tag(self) -> str:
-        tag = [f"lowmem_hf/exchange/{time.time_ns()}"]
-        dist.broadcast_object_list(tag, src=0)
-        return tag[0]
 
     # -- the stream's hooks ------------------------------------------------------------------------------------
 
@@ -238,14 +231,14 @@ class CooperativeRanges(ByteSource):
             status = f"error:{type(error).__name__}: {error}"
         if status == "ok" and index + 1 < len(self._waves):
             self._start_fetch(index + 1)  # the network works on the next wave while this one is exchanged and read
-        self._agree(index, status)
+        self._statuses.agree(index, status)
         data.update((id(s), torch.empty(s.stop - s.start, dtype=torch.uint8)) for s in spans if id(s) not in data)
         for s in spans:
             try:
                 dist.broadcast(data[id(s)], src=s.owner, group=self._group)
             except RuntimeError as error:
                 # gloo says only that a connection broke; the live ranks all land here, so a roll call names the dead
-                dead = self._roll_call(f"{index}/broadcast")
+                dead = self._statuses.roll_call(f"{index}/broadcast")
                 raise RankFailedError(
                     f"cooperative fetch, wave {index}: the exchange of {s.file} bytes {s.start}-{s.stop} failed "
                     f"({error}); rank(s) {dead or '[unknown]'} died or stopped answering. The load is aborted on every rank."
@@ -263,7 +256,20 @@ class CooperativeRanges(ByteSource):
             self.requests += 1
             self.bytes_fetched += span.stop - span.start
 
-    def _roll_call(self, what: str) -> list[int]:
+
+class WaveStatuses:
+    """Each rank's status per wave, posted to the process group's store (see the module doc: a store wait has a
+    timeout and names the missing rank, where a gloo collective with a dead peer fails or hangs)."""
+
+    def __init__(self, *, timeout_s: float):
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._store = dist.distributed_c10d._get_default_store()
+        self._timeout_s = timeout_s
+        tag = [f"lowmem_hf/exchange/{time.time_ns()}"]
+        dist.broadcast_object_list(tag, src=0)
+        self._tag = tag[0]  # this load's store keys, unique per load
+
+    def roll_call(self, what: str) -> list[int]:
         """Ranks that do not check in under ``what`` within the timeout (a dead rank never does)."""
         key = f"{self._tag}/alive/{what}/"
         self._store.set(key + str(self._rank), "1")
@@ -273,7 +279,7 @@ class CooperativeRanges(ByteSource):
         except Exception:  # noqa: BLE001 - a timeout is the answer
             return [r for r in range(self._world) if not self._store.check([key + str(r)])]
 
-    def _agree(self, index: int, status: str) -> None:
+    def agree(self, index: int, status: str) -> None:
         """Post this rank's status for the wave and wait for every rank's; fail everywhere if one failed."""
         key = f"{self._tag}/{index}/"
         self._store.set(key + str(self._rank), status)
