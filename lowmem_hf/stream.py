@@ -7,10 +7,10 @@ memory, and the staged inputs of converted groups), the thread pool that runs th
 and the order in which submodules are yielded.
 
 Pipelining: the reads run on a small thread pool, and the reads of the next submodules are submitted while the
-current one is assigned, up to ``read_ahead_bytes`` of reads in flight beyond it; each submodule's reads are
-also announced to the reader (``hint``: ``posix_fadvise(WILLNEED)`` / ``madvise(WILLNEED)``) as it enters that
-window when the files are not in the page cache, so a cold disk is kept busy. Destinations are the final model's
-memory, so reading ahead costs no staging; submodules are still yielded (and assigned) strictly in plan order.
+current one is assigned, up to ``read_ahead_bytes`` of reads in flight beyond it; when the files are not in the
+page cache, each submodule's reads are also announced (``Reader.hint``: the kernel is asked to read them ahead) as
+it enters that window, so a cold disk is kept busy. Destinations are the final model's memory, so reading ahead
+costs no staging; submodules are still yielded (and assigned) strictly in plan order.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ two can never silently disagree.
 
 Slices must divide evenly: transformers lets the last rank hold a shorter slice, but an attention
 projection whose heads do not divide fails later in forward, so lowmem_hf refuses both up front.
+
+The arithmetic every reader and writer shares is here too, pure: a slice as element runs of the stored tensor
+(``element_runs``), runs cut into chunks (``chunk_runs``, ``split_runs``, ``chunk_spans``), and boxes (``overlap``,
+``box_runs``: a rank's slice against the chunks a sharded training checkpoint stores, or a shard written in place).
 """
 
 from __future__ import annotations
