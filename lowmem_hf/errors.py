@@ -17,6 +17,7 @@ __all__ = [
     "UnsupportedConversionError",
     "IncompleteLoadError",
     "UnsupportedArgumentError",
+    "NothingToLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
 ]
@@ -48,6 +49,10 @@ class ShapeMismatchError(LowMemError, RuntimeError):
 
 class UnsupportedConversionError(LowMemError, NotImplementedError):
     """transformers would convert these checkpoint keys in a way lowmem_hf cannot stream."""
+
+
+class NothingToLoadError(LowMemError, ValueError):
+    """Not one checkpoint tensor fits the model: the result would be a fully re-initialized model, never a load."""
 
 
 class IncompleteLoadError(LowMemError, RuntimeError):

@@ -30,7 +30,7 @@ from transformers.utils.import_utils import is_env_variable_true
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
-from .errors import CheckpointNotFoundError, UnsupportedArgumentError
+from .errors import CheckpointNotFoundError, NothingToLoadError, UnsupportedArgumentError
 from .fetch import fetch_files
 from .formats import StreamStats, dcp, open_reader
 from .formats.safetensors import check_mmap
@@ -127,6 +127,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
     model_class, config, model_kwargs = _resolve_class_and_config(request)
     _reject_quantized(config)
+    _reject_zero3()
     _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
     if request.attn_implementation is not None:
         config._attn_implementation = request.attn_implementation
@@ -151,6 +152,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
+    _reject_empty_plan(plan, checkpoint, model, request.name_or_path)
     if checkpoint.format == CheckpointFormat.DCP:
         dcp.check_complete(model, plan, checkpoint)
     if request.mmap:
@@ -431,6 +433,36 @@ def _reject_quantized(config: Any) -> None:
             f"the checkpoint's config.json has a quantization_config (quant_method={method!r}); quantized "
             "checkpoints are not supported by lowmem_hf: load them with transformers' from_pretrained.",
         )
+
+
+def _reject_zero3() -> None:
+    """Under DeepSpeed ZeRO-3 (an ``HfDeepSpeedConfig`` alive, as ``TrainingArguments(deepspeed=...)`` makes one)
+    transformers builds the model under ``deepspeed.zero.Init``, every parameter an empty placeholder of its
+    partition; lowmem_hf's plan needs the parameters' shapes, so such a load is transformers'."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise UnsupportedArgumentError(
+            "deepspeed",
+            "DeepSpeed ZeRO-3 is enabled (an HfDeepSpeedConfig with stage 3 exists, e.g. from TrainingArguments("
+            "deepspeed=...)); lowmem_hf does not load into ZeRO-3 partitions yet. Load with transformers' "
+            "from_pretrained (the switch does so by itself), or use ZeRO stage 0-2.",
+        )
+
+
+def _reject_empty_plan(plan: LoadPlan, checkpoint: Checkpoint, model: Any, path: str) -> None:
+    """A checkpoint none of whose tensors loads gives a fully re-initialized model: that is never a load, whatever
+    ``ignore_mismatched_sizes`` says (it turns mismatches into re-initialized tensors one by one)."""
+    if not checkpoint.tensors or plan.reads_per_file():
+        return
+    examples = sorted(checkpoint.tensors)[:3]
+    raise NothingToLoadError(
+        f"Not one of the {len(checkpoint.tensors)} tensors in {path} loads into {type(model).__name__}: "
+        f"{len(plan.mismatched_keys)} have another shape than the model's parameter (ignored with "
+        f"ignore_mismatched_sizes=True), {len(plan.unexpected_keys)} match no parameter (e.g. {examples}). "
+        "The checkpoint does not belong to this model: check the path, the auto class and the config "
+        "(keyword overrides such as vocab_size=... change the shapes)."
+    )
 
 
 def _reject_adapter(request: LoadRequest) -> None:

@@ -285,3 +285,12 @@ def test_a_configless_dcp_directory_loads_with_config_given(configless_dcp, give
         expected = GenerationConfig.from_pretrained(config_folder)
     assert got.generation_config.to_dict() == expected.to_dict()
     assert (got.generation_config.max_length == 7) is (given != "object")
+
+
+def test_a_checkpoint_none_of_whose_tensors_loads_is_an_error_whatever_ignore_mismatched_sizes(make_checkpoint):
+    llama = make_checkpoint("llama", "safetensors")
+    with pytest.raises(lowmem_hf.NothingToLoadError, match=r"Not one of the \d+ tensors .* have another shape"):
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(llama, hidden_size=128, ignore_mismatched_sizes=True)
+    bert = make_checkpoint("bert", "safetensors")
+    with pytest.raises(lowmem_hf.NothingToLoadError, match=r"match no parameter"):  # transformers: a random model
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(bert, config=llama)

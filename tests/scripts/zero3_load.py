@@ -1,0 +1,40 @@
+"""One rank of a job with DeepSpeed ZeRO-3 enabled the way the HF Trainer enables it (an HfDeepSpeedConfig alive
+before from_pretrained): loads MODEL through lowmem_hf directly and through the switch; prints one JSON line."""
+
+import json
+import os
+import sys
+import warnings
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU, gloo without oneCCL (NOTES.md)
+
+import deepspeed  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
+
+import lowmem_hf  # noqa: E402
+from lowmem_hf.patch import FallbackWarning  # noqa: E402
+
+
+def main(path: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+    keep_alive = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads it through a weak reference
+    result = {}
+    try:
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path)
+        result["direct"] = "loaded"
+    except lowmem_hf.UnsupportedArgumentError as error:
+        result["direct"] = error.argument
+    with lowmem_hf.patch_transformers(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(path)
+    result["fallbacks"] = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    weight = model.get_input_embeddings().weight
+    result["partitioned"] = tuple(weight.shape) == (0,) and hasattr(weight, "ds_tensor")
+    result["lowmem_report"] = hasattr(model, "lowmem_report")
+    print("ZERO3_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
