@@ -19,6 +19,7 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from .errors import IncompleteLoadError, ShapeMismatchError
 from .types import ConversionRead, DtypeDecision, LoadPlan
+from .zero3 import held
 
 __all__ = ["set_tensor", "assign_submodule", "finalize", "check_loaded", "model_nbytes"]
 
@@ -54,10 +55,19 @@ def assign_submodule(
     tensors: dict[str, torch.Tensor],
     staged: list[tuple[ConversionRead, list[torch.Tensor]]],
     loading_info: LoadStateDictInfo,
+    *,
+    in_place: bool = False,
 ) -> None:
-    """Assign one submodule's tensors; run transformers' converters on its staged groups first."""
+    """Assign one submodule's tensors; run transformers' converters on its staged groups first.
+
+    ``in_place``: parameters whose values were read into their own memory (DeepSpeed ZeRO-3 partitions) stay the
+    objects DeepSpeed made; they are only marked loaded. Buffers are assigned as always.
+    """
     for name, value in tensors.items():
-        set_tensor(model, name, value)
+        if in_place and _is_partition_of(model, name, value):
+            model.get_parameter(name)._is_hf_initialized = True  # transformers' init pass must not overwrite it
+        else:
+            set_tensor(model, name, value)
         loading_info.missing_keys.discard(name)
     for conversion, inputs in staged:
         converter = conversion.converter
@@ -91,6 +101,15 @@ def assign_submodule(
             loading_info.missing_keys.discard(name)
 
 
+def _is_partition_of(model: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
+    try:
+        param = model.get_parameter(name)
+    except AttributeError:
+        return False  # a buffer
+    partition = held(param)
+    return partition is not param and value.untyped_storage().data_ptr() == partition.untyped_storage().data_ptr()
+
+
 def finalize(
     model: Any,
     plan: LoadPlan,
@@ -121,6 +140,7 @@ def model_nbytes(model: torch.nn.Module) -> int:
             continue
         if isinstance(t.data, DTensor):
             t = t.data.to_local()  # this rank's bytes
+        t = held(t)  # a ZeRO-3 partition
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

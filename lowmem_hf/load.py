@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import os
 import time
@@ -30,6 +31,7 @@ from transformers.utils.import_utils import is_env_variable_true
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
+from . import zero3 as _zero3
 from .errors import CheckpointNotFoundError, NothingToLoadError, UnsupportedArgumentError
 from .fetch import fetch_files
 from .formats import StreamStats, dcp, open_reader
@@ -69,6 +71,8 @@ class PreparedLoad:
     """The validated tensor-parallel request, ``None`` without TP."""
     started: float
     """``time.perf_counter()`` when ``prepare`` began (the report's wall time counts from here)."""
+    zero3: bool = False
+    """DeepSpeed ZeRO-3: the skeleton's parameters are partitioned and each read fills this rank's partition in place."""
 
     @property
     def stream_chunk_bytes(self) -> int:
@@ -127,7 +131,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
     model_class, config, model_kwargs = _resolve_class_and_config(request)
     _reject_quantized(config)
-    _reject_zero3()
+    zero3 = _zero3.zero3_enabled()
     _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
     if request.attn_implementation is not None:
         config._attn_implementation = request.attn_implementation
@@ -139,25 +143,33 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     config, main_dtype = _decide_dtype(request, config, checkpoint)
     config.name_or_path = request.name_or_path
 
-    # 2. build on meta
+    # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
     model = build_on_meta(model_class, config, main_dtype, request.model_args, model_kwargs)
 
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
-    if tp_request is not None:
+    if zero3:
+        shards = _zero3.partition_specs(model)
+    elif tp_request is not None:
         if tp_request.distributed:
             model, shards = distribute(model_class, model, tp_request)
         else:
             shards, _ = plan_shards(model, tp_request)
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
+    if zero3:
+        _zero3.check_servable(
+            converted=mapping.converted, dcp=checkpoint.format == CheckpointFormat.DCP, tp_requested=tp_request is not None, mmap=request.mmap
+        )
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
     _reject_empty_plan(plan, checkpoint, model, request.name_or_path)
+    if zero3:
+        plan = _zero3.retarget(plan, model)
     if checkpoint.format == CheckpointFormat.DCP:
         dcp.check_complete(model, plan, checkpoint)
     if request.mmap:
         check_mmap(plan, checkpoint_format=checkpoint.format, local=_reads_local_files(request, checkpoint), device=request.device)
-    return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started)
+    return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started, zero3=zero3)
 
 
 def async_load() -> bool:
@@ -221,8 +233,9 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         for _, tensors, staged in stream(
             plan, reader=reader, source=source, device=request.device, stats=stats, workers=workers,
             read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold,
+            into=functools.partial(_zero3.destination, model) if prepared.zero3 else None,
         ):
-            _assign.assign_submodule(model, tensors, staged, loading_info)
+            _assign.assign_submodule(model, tensors, staged, loading_info, in_place=prepared.zero3)
             peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
     finally:
         if bar is not None:
@@ -432,21 +445,6 @@ def _reject_quantized(config: Any) -> None:
             "quantization_config",
             f"the checkpoint's config.json has a quantization_config (quant_method={method!r}); quantized "
             "checkpoints are not supported by lowmem_hf: load them with transformers' from_pretrained.",
-        )
-
-
-def _reject_zero3() -> None:
-    """Under DeepSpeed ZeRO-3 (an ``HfDeepSpeedConfig`` alive, as ``TrainingArguments(deepspeed=...)`` makes one)
-    transformers builds the model under ``deepspeed.zero.Init``, every parameter an empty placeholder of its
-    partition; lowmem_hf's plan needs the parameters' shapes, so such a load is transformers'."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        raise UnsupportedArgumentError(
-            "deepspeed",
-            "DeepSpeed ZeRO-3 is enabled (an HfDeepSpeedConfig with stage 3 exists, e.g. from TrainingArguments("
-            "deepspeed=...)); lowmem_hf does not load into ZeRO-3 partitions yet. Load with transformers' "
-            "from_pretrained (the switch does so by itself), or use ZeRO stage 0-2.",
         )
 
 

@@ -20,13 +20,13 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .formats import Reader, StreamStats
 from .sources import ByteSource
-from .types import ConversionRead, LoadPlan, SubmodulePlan
+from .types import ConversionRead, LoadPlan, SubmodulePlan, TensorRead
 
 __all__ = [
     "stream", "staging_chunk_bytes", "choose_workers",
@@ -77,6 +77,7 @@ def stream(
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     read_ahead_hints: bool = False,
     stats: StreamStats,
+    into: Callable[[TensorRead], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[SubmodulePlan, dict[str, torch.Tensor], list[tuple[ConversionRead, list[torch.Tensor]]]]]:
     """Yield, per submodule in plan order, its loaded tensors (final dtype/device) and its staged converter inputs.
 
@@ -84,7 +85,8 @@ def stream(
     threads (1: on the calling thread, no thread started) and closes both when it ends. Reads of the following
     submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0, or a source
     without ``read_ahead``: one submodule at a time); with ``read_ahead_hints`` (files not in the page cache) the
-    reader announces them as they enter that window. Nothing is kept between submodules but what the reader and
+    reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
+    partition, filled in place); otherwise each read gets a fresh tensor. Nothing is kept between submodules but what the reader and
     source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
     and all on exit).
     """
@@ -102,7 +104,8 @@ def stream(
                 tensors[r.target] = mapped
                 reader.done(r.source, 0)
                 continue
-            tensors[r.target] = torch.empty(r.local_shape, dtype=r.decision.dtype, device=device)
+            dst = into(r) if into is not None else None
+            tensors[r.target] = dst if dst is not None else torch.empty(r.local_shape, dtype=r.decision.dtype, device=device)
             pairs.append((r.source, tensors[r.target], r.shard))
         staged = []
         for c in sub.conversions:

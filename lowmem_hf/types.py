@@ -125,8 +125,12 @@ class ShardSpec:
     intervals: tuple[tuple[tuple[int, int], ...], ...] | None = None
     """Every dim's local index set as sorted ``(start, stop)`` runs, when the slice is more than one range of
     ``dim`` (meshes: several sharded dims, strided shards). ``None``: ``[start, stop)`` of ``dim``, all of the rest."""
+    flat: bool = False
+    """``[start, stop)`` are elements of the flattened tensor (a DeepSpeed ZeRO-3 partition), not indices of ``dim``."""
 
     def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.flat:
+            return (self.stop - self.start,)
         if self.intervals is not None:
             return tuple(sum(b - a for a, b in runs) for runs in self.intervals)
         shape = list(global_shape)

@@ -44,14 +44,14 @@ def make_plan(
         ShapeMismatchError: a stored shape differs from its parameter and ``ignore_mismatched_sizes`` is False.
     """
     shards = dict(shards or {})
-    model_tensors = model.state_dict()
+    model_tensors = model.state_dict(keep_vars=True)  # the parameters themselves: ZeRO-3 keeps the shape on them
     reads: list[TensorRead] = []
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for target, key in mapping.direct.items():
         info = checkpoint.tensors[key]
         ref = model_tensors[target]
-        if tuple(ref.shape) != info.shape:
-            mismatched.append((target, info.shape, tuple(ref.shape)))
+        if global_shape(ref) != info.shape:
+            mismatched.append((target, info.shape, global_shape(ref)))
             continue
         decision = policy.decide(target, stored=info.dtype, module=ref.dtype)
         reads.append(TensorRead(target, info, decision, shards.get(target)))
@@ -95,6 +95,11 @@ def make_plan(
         weight_conversions=mapping.used_transforms,
         shards=shards,
     )
+
+
+def global_shape(t: Any) -> tuple[int, ...]:
+    """A parameter's full shape: a DeepSpeed ZeRO-3 placeholder is empty and keeps its shape as ``ds_shape``."""
+    return tuple(getattr(t, "ds_shape", t.shape))
 
 
 def _converted_targets(conversion: ConversionRead) -> list[str]:

@@ -158,6 +158,8 @@ def element_runs(shape: tuple[int, ...], spec: ShardSpec | None) -> list[tuple[i
     numel = math.prod(shape)
     if spec is None:
         return [(0, numel)] if numel else []
+    if spec.flat:
+        return [(spec.start, spec.stop - spec.start)] if spec.stop > spec.start else []
     if spec.intervals is None:
         inner = math.prod(shape[spec.dim + 1 :])
         outer = math.prod(shape[: spec.dim])
@@ -286,6 +288,8 @@ def slice_tensor(t: torch.Tensor, shard: ShardSpec | None) -> torch.Tensor:
     """``t``'s slice described by ``shard``: a view for one range per dim, a copy where a dim has several runs."""
     if shard is None:
         return t
+    if shard.flat:
+        return t.reshape(-1).narrow(0, shard.start, shard.stop - shard.start)
     if shard.intervals is None:
         return t.narrow(shard.dim, shard.start, shard.stop - shard.start)
     for dim, runs in enumerate(shard.intervals):

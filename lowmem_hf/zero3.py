@@ -1,0 +1,116 @@
+"""DeepSpeed ZeRO-3 at load time: every rank reads only the bytes of its own partition of each parameter.
+
+Under ZeRO-3 (an ``HfDeepSpeedConfig`` of stage 3 alive, as ``TrainingArguments(deepspeed=...)`` makes one),
+transformers builds the model under ``deepspeed.zero.Init``: each parameter is an empty placeholder whose
+``ds_tensor`` holds this rank's partition, the contiguous range ``[rank * n, rank * n + n)`` of the flattened
+tensor, padded at the end of the last rank. transformers then reads the whole checkpoint on rank 0 and, submodule
+by submodule, gathers the full parameters on every rank, copies the values in on rank 0 and re-partitions
+(a broadcast of the whole model). lowmem_hf builds the same skeleton (transformers' own init context), then reads
+into each ``ds_tensor`` exactly the elements it holds: for a contiguous stored tensor, one byte range per
+parameter per rank. The partition arithmetic is DeepSpeed's, read off each parameter at load time
+(``partition_numel()``, ``ds_numel``, the rank in ``ds_process_group``), so nothing here copies its constants.
+
+Buffers are not partitioned: every rank reads them whole (transformers broadcasts rank 0's). What is missing from
+the checkpoint is initialized by transformers' own finishing step, which gathers it under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
+
+from .errors import UnsupportedArgumentError
+from .types import DtypeDecision, LoadPlan, ShardSpec, SubmodulePlan, TensorRead
+
+__all__ = ["zero3_enabled", "partition_specs", "check_servable", "retarget", "destination", "held"]
+
+STYLE = "zero3"
+
+
+def zero3_enabled() -> bool:
+    """transformers' own test: an ``HfDeepSpeedConfig`` of stage 3 is alive (the Trainer creates it)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+def _partitioned(t: Any) -> bool:
+    return getattr(t, "ds_tensor", None) is not None and hasattr(t, "ds_numel")
+
+
+def partition_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
+    """Each partitioned parameter's flat element range on this rank, from DeepSpeed's arithmetic on the parameter.
+
+    Raises:
+        UnsupportedArgumentError: a partition layout lowmem_hf does not read into (hpZ secondary partitions, NVMe
+            offload); the switch then hands the load to transformers.
+    """
+    import torch.distributed as dist
+
+    specs = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not _partitioned(param):
+            continue
+        if getattr(param, "ds_secondary_tensor", None) is not None or getattr(param.ds_tensor, "final_location", None) is not None:
+            raise UnsupportedArgumentError(
+                "deepspeed",
+                f"{name}: ZeRO-3 with hierarchical (hpZ) partitions or NVMe offload is not read by lowmem_hf; "
+                "load with transformers' from_pretrained (the switch does so by itself).",
+            )
+        group = param.ds_process_group
+        size = param.partition_numel()  # DeepSpeed: aligned numel // partition world size
+        rank = dist.get_rank(group=group)
+        start = min(rank * size, param.ds_numel)
+        stop = min(start + size, param.ds_numel)
+        specs[name] = ShardSpec(
+            style=STYLE, dim=0, start=start, stop=stop, tp_rank=rank, tp_size=dist.get_world_size(group=group), flat=True
+        )
+    return specs
+
+
+def check_servable(*, converted: Mapping[str, Any], dcp: bool, tp_requested: bool, mmap: bool) -> None:
+    """Refuse, before any read, what lowmem_hf cannot read into ZeRO-3 partitions (the switch then falls back)."""
+    why = None
+    if tp_requested:
+        why = "tensor parallelism (tp_plan, tp_size, device_mesh, distributed_config) together with ZeRO-3"
+    elif mmap:
+        why = "mmap=True (a partition is DeepSpeed's memory, never a view of a file)"
+    elif dcp:
+        why = "a sharded training checkpoint (DCP) into ZeRO-3 partitions"
+    elif converted:
+        why = f"keys transformers converts (e.g. into {sorted(converted)[:2]}): a converted tensor has no byte range per partition"
+    if why is not None:
+        raise UnsupportedArgumentError(
+            "deepspeed", f"lowmem_hf does not load {why}; load with transformers' from_pretrained (the switch does so by itself)."
+        )
+
+
+def retarget(plan: LoadPlan, model: torch.nn.Module) -> LoadPlan:
+    """Give every read into a partition the partition's dtype: transformers copies the checkpoint values into the
+    gathered parameter, whose dtype DeepSpeed chose (its ``bf16``/``fp16`` config), whatever the dtype policy says."""
+    def fix(sub: SubmodulePlan) -> SubmodulePlan:
+        reads = []
+        for r in sub.reads:
+            if r.shard is not None and r.shard.style == STYLE:
+                dtype = model.get_parameter(r.target).ds_tensor.dtype
+                if r.decision.dtype != dtype:
+                    r = replace(r, decision=DtypeDecision(dtype, "zero3_partition"))
+            reads.append(r)
+        return replace(sub, reads=tuple(reads))
+
+    return replace(plan, submodules=tuple(fix(s) for s in plan.submodules))
+
+
+def destination(model: torch.nn.Module, read: TensorRead) -> torch.Tensor | None:
+    """Where a read lands: the valid part of the parameter's partition (filled in place; the last rank's padding
+    stays as DeepSpeed left it), or None (a fresh tensor: buffers)."""
+    if read.shard is None or read.shard.style != STYLE:
+        return None
+    return model.get_parameter(read.target).ds_tensor.view(-1).narrow(0, 0, read.shard.stop - read.shard.start)
+
+
+def held(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory this rank holds for ``t``: its partition under ZeRO-3, else ``t`` itself."""
+    return t.ds_tensor if _partitioned(t) else t
