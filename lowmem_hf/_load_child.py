@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.models.auto.auto_factory import _get_model_class
 
     import lowmem_hf
+    import lowmem_hf.load  # noqa: F401 - the package imports its stages on first use: before the baseline, as before
     from lowmem_hf.assign import model_nbytes
 
     auto = getattr(transformers, args.auto_class)

@@ -42,7 +42,9 @@ class LowMemAutoModelBase:
                 its checkpoint dtype). See ``lowmem_hf.plan.dtypes``.
             dtype_overrides: ordered ``{glob: dtype}`` (or list of pairs) that beats the policy, first match wins,
                 e.g. ``{"*.norm.weight": torch.float32}``.
-            device: where the parameters go (default ``"cpu"``).
+            device: where the parameters go. Default: as transformers decides with no ``device_map``, the ambient
+                device (a ``with torch.device(...)`` block or ``torch.set_default_device``), else ``"cpu"``;
+                under ``meta`` transformers' ``RuntimeError``.
             device_map: transformers' spelling of ``device``; only a single device is supported.
             config: a config object or a path to one, instead of the folder's ``config.json``.
             revision, cache_dir, local_files_only, token, force_download, proxies, code_revision:
@@ -81,7 +83,7 @@ class LowMemAutoModelBase:
             fetch: for Hub repos: ``"files"`` downloads into the HF cache only the shard files this rank's plan
                 touches; ``"ranges"`` fetches only the planned byte ranges into memory and writes no shard to
                 disk (safetensors only; ``.bin`` shards are always fetched whole). Ignored for local folders.
-                Under a process group, ``"ranges"`` is the cooperative fetch (``lowmem_hf.exchange``): each byte is
+                Under a process group, ``"ranges"`` is the cooperative fetch (``lowmem_hf.sources.exchange``): each byte is
                 fetched once by one rank, in spans of at most ``fetch_span_bytes`` (default 16 MiB), and the
                 ranks send each other the pieces over the group.
             fetch_span_bytes: the largest span one request of the cooperative fetch asks for.

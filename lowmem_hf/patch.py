@@ -63,6 +63,9 @@ def patch_transformers() -> _Patch:
         ...     model = AutoModelForCausalLM.from_pretrained("./my-llama", dtype=torch.bfloat16)
     """
     if not _originals:
+        from .request import transformers_defaults
+
+        transformers_defaults()  # read from transformers' own from_pretrained, before it is replaced
         for cls in _classes_to_patch():
             _originals[cls] = cls.__dict__["from_pretrained"]
             cls.from_pretrained = classmethod(_switched_from_pretrained)
@@ -96,13 +99,6 @@ def unpatch_transformers() -> None:
 def is_patched() -> bool:
     """Whether ``patch_transformers()`` is in effect."""
     return bool(_originals)
-
-
-def transformers_method(cls: type) -> Any:
-    """transformers' own ``cls.from_pretrained`` function (unbound), whether or not the switch is in effect."""
-    owner = next((c for c in cls.__mro__ if c in _originals), None)
-    found = _originals[owner] if owner is not None else next(c.__dict__["from_pretrained"] for c in cls.__mro__ if "from_pretrained" in c.__dict__)
-    return found.__func__ if isinstance(found, classmethod) else found
 
 
 def _original_for(cls: type) -> Any:

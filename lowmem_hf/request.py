@@ -87,9 +87,10 @@ def transformers_defaults() -> TransformersDefaults:
     transformers exposes these as data, hence the parse."""
     from transformers import PreTrainedModel
 
-    from .patch import transformers_method  # the switch replaces the method; read transformers' own
-
-    function = transformers_method(PreTrainedModel)
+    function = PreTrainedModel.__dict__["from_pretrained"].__func__
+    if function.__module__ != PreTrainedModel.__module__:
+        # the switch reads these before it replaces the method (patch_transformers), so this is a bug, not input
+        raise RuntimeError(f"transformers_defaults() read {function.__module__}.{function.__name__}, not transformers' own")
     defaults: dict[str, Any] = {}
     for name, parameter in inspect.signature(function).parameters.items():
         if parameter.default is not inspect.Parameter.empty:

@@ -11,13 +11,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lowmem_hf"
 
-# Edges kept on purpose, each with the reason; every other edge of a circle fails the test.
-KNOWN_CIRCLE_EDGES = {
-    # request.transformers_defaults reads transformers' own from_pretrained through the switch's registry of the
-    # methods it replaced (patch.transformers_method), and the switch calls load/request: moving that registry into
-    # a module of its own breaks the circle (patch.py is being reworked separately).
-    ("lowmem_hf.request", "lowmem_hf.patch"),
-}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -110,13 +103,7 @@ def private_uses(root: Path) -> list[str]:
 
 
 def test_the_package_has_no_import_circle():
-    assert circles(import_graph(PACKAGE), KNOWN_CIRCLE_EDGES) == []
-
-
-def test_the_known_circle_edges_still_exist():
-    # an exemption outlives its reason silently; once an edge is gone, drop it from KNOWN_CIRCLE_EDGES
-    graph = import_graph(PACKAGE)
-    assert [edge for edge in KNOWN_CIRCLE_EDGES if edge[1] not in graph[edge[0]]] == []
+    assert circles(import_graph(PACKAGE), set()) == []
 
 
 def test_no_private_name_is_used_across_modules():
