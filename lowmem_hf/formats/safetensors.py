@@ -20,7 +20,7 @@ import functools
 import json
 import os
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -57,10 +57,18 @@ DTYPES: dict[str, torch.dtype] = {
 
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
+# Every dtype tag the safetensors library (0.8) accepts; those missing from ``DTYPES`` are valid files lowmem_hf
+# cannot load (sub-byte and exotic 8-bit floats).
+_FORMAT_DTYPES = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)
+_USIZE_MAX = 2**64 - 1
+_REFUSED = "The safetensors library refuses this file too: it is corrupt or was not written by safetensors; download or copy it again."
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], int]:
-    """Parse a local safetensors header and check that every tensor lies inside the file.
+    """Parse and validate a local safetensors header against the file (``parse_header`` says what is checked).
 
     Written by hand because neither safetensors nor huggingface_hub exposes a *local* file's byte
     offsets (safetensors hides them behind ``get_slice``; huggingface_hub parses only remote headers),
@@ -68,6 +76,9 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], int]:
 
     Returns:
         ``({key: TensorInfo}, bytes_read)``.
+
+    Raises:
+        CorruptCheckpointError: the file breaks a rule of the format (named in the message).
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -81,10 +92,14 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], int]:
 
 def read_header_by_ranges(fetch: Callable[[int, int], bytes], *, size: int, name: str) -> tuple[dict[str, TensorInfo], int]:
     """Parse the header of a ``size``-byte safetensors file whose bytes ``[start, stop)`` ``fetch`` returns (two
-    calls: the length, then the header); ``name`` goes into ``TensorInfo.file`` and errors.
+    calls: the length, then the header); ``name`` goes into ``TensorInfo.file`` and errors. A remote file is
+    validated as a local one: ``size`` is the size the Hub reports.
 
     Returns:
         ``({key: TensorInfo}, bytes_read)``.
+
+    Raises:
+        CorruptCheckpointError: the file breaks a rule of the format (named in the message).
     """
     header_len = header_length(fetch(0, 8), size, name)
     raw = fetch(8, 8 + header_len)
@@ -100,51 +115,139 @@ def header_length(prefix: bytes, size: int, name: str) -> int:
         )
     (header_len,) = struct.unpack("<Q", prefix)
     if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+        limit = f"at most {_MAX_HEADER_BYTES} bytes (the format's limit)" if header_len > _MAX_HEADER_BYTES else f"at most {size - 8}"
         raise CorruptCheckpointError(
-            f"{name}: the header claims {header_len} bytes but the file has {size - 8} after the length prefix. "
-            "The file is truncated or not a safetensors file: download or copy it again."
+            f"{name}: the header claims {header_len} bytes but the file has {size - 8} after the length prefix "
+            f"(rule 'header length': expected {limit}). The file is truncated or not a safetensors file: download or copy it again."
         )
     return header_len
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a JSON object whose keys are unique (plain JSON keeps the last of two, silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _no_constant(token: str) -> None:
+    """``json.loads`` hook: NaN and Infinity are not JSON (Python's reader accepts them, serde_json does not)."""
+    raise ValueError(f"{token} is not a JSON value")
+
+
+def _plural(n: int, unit: str) -> str:
+    return f"{n} {unit}" + ("" if n == 1 else "s")
+
+
+def _is_usize(x: Any) -> bool:
+    return type(x) is int and 0 <= x <= _USIZE_MAX
+
+
 def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> dict[str, TensorInfo]:
-    """Tensor infos from a safetensors header's JSON bytes; ``name`` goes into ``TensorInfo.file`` and errors."""
+    """Tensor infos from a safetensors header's bytes, validated as strictly as the safetensors library validates
+    them; ``name`` goes into ``TensorInfo.file`` and errors.
+
+    The rules (each error names the file, the key, the rule, what was expected and what was found):
+
+    - ``header JSON``: UTF-8, one JSON object, only whitespace around it (writers pad it with spaces to align the
+      data); ``unique keys``: no key twice, at any level (plain JSON would keep the last one silently);
+    - ``__metadata__``: absent, null or an object of strings;
+    - ``entry``: every other key is a tensor: ``dtype`` one of the format's tags, ``shape`` a list of
+      non-negative integers, ``data_offsets`` two non-negative integers ``[begin, end)``;
+    - ``byte size``: ``end - begin`` is the shape's element count times the dtype's size;
+    - ``contiguous offsets``: sorted by offsets, the tensors start at 0 and each begins where the previous ends
+      (no gap, no overlap: two tensors never share bytes);
+    - ``data section covered``: the last one ends exactly at the end of the file (file size = 8 + header
+      length + data): a length prefix one byte short, or bytes appended or cut, are caught here.
+
+    Raises:
+        CorruptCheckpointError: naming the rule broken.
+    """
+    def invalid(subject: str, rule: str, expected: str, found: str, fix: str = _REFUSED) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{name}: {subject} breaks the safetensors rule {rule!r}: expected {expected}, found {found}. {fix}")
+
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(
-            f"{name}: the safetensors header is not valid JSON ({e}). The file is corrupt: download or copy it again."
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid("the header", "header JSON", "UTF-8 text", f"byte {raw[e.start]:#04x} at header byte {e.start}") from e
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
+    except _DuplicateKey as e:
+        raise invalid(
+            f"key {e.key!r}", "unique keys", "each key once", "it twice (a JSON reader keeps the last one silently)",
+            "The file is corrupt: download or copy it again.",
         ) from e
+    except ValueError as e:
+        raise invalid("the header", "header JSON", "one JSON object padded with spaces", f"not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise invalid("the header", "header JSON", "one JSON object", f"a JSON {type(header).__name__}")
+
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise invalid("'__metadata__'", "__metadata__", "an object of strings", repr(metadata)[:200])
 
     data_start = 8 + header_len
     data_size = file_size - data_start
     infos: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+        subject = f"tensor {key!r}"
+        if not isinstance(entry, dict) or not all(f in entry for f in ("dtype", "shape", "data_offsets")):
+            raise invalid(subject, "entry", "an object with dtype, shape and data_offsets", repr(entry)[:200])
+        tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if tag not in _FORMAT_DTYPES:
+            raise invalid(subject, "entry", f"dtype among {', '.join(_FORMAT_DTYPES)}", repr(tag))
+        if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
+            raise invalid(subject, "entry", "shape a list of non-negative integers", repr(shape))
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(x) for x in offsets):
+            raise invalid(subject, "entry", "data_offsets two non-negative integers [begin, end)", repr(offsets))
+        if tag not in DTYPES:
             raise CorruptCheckpointError(
-                f"{name}: tensor {key!r} has an unreadable header entry {entry!r} "
-                f"(expected dtype among {sorted(DTYPES)}, shape and data_offsets)."
-            ) from e
-        info = TensorInfo(key=key, file=name, dtype=dtype, shape=shape, offset=data_start + begin)
-        if end - begin != info.nbytes or begin < 0:
-            raise CorruptCheckpointError(
-                f"{name}: tensor {key!r} ({entry['dtype']} {list(shape)}) needs {info.nbytes} bytes "
-                f"but its data_offsets [{begin}, {end}) span {end - begin}. The file is corrupt."
+                f"{name}: tensor {key!r} is stored as {tag}, a safetensors dtype lowmem_hf cannot load "
+                f"(it loads {', '.join(DTYPES)}). Convert the checkpoint, or load it with transformers."
             )
-        if end > data_size:
-            raise CorruptCheckpointError(
-                f"{name}: tensor {key!r} ends at byte {data_start + end} but the file has {file_size} bytes. "
-                "The file is truncated: download or copy it again."
+        begin, end = offsets
+        info = TensorInfo(key=key, file=name, dtype=DTYPES[tag], shape=tuple(shape), offset=data_start + begin)
+        if end < begin or end - begin != info.nbytes:
+            raise invalid(
+                subject, "byte size", f"{info.nbytes} bytes ({tag} x {shape})", f"data_offsets {offsets} ({end - begin} bytes)"
             )
         infos[key] = info
+        spans.append((begin, end, key))
+
+    spans.sort()
+    expected_begin, previous = 0, None
+    for begin, end, key in spans:
+        if begin != expected_begin:
+            after = f"where {previous!r} ends" if previous is not None else "the start of the data section"
+            what = "a gap of" if begin > expected_begin else "an overlap of"
+            raise invalid(
+                f"tensor {key!r}", "contiguous offsets", f"data_offsets beginning at {expected_begin} ({after})",
+                f"[{begin}, {end}): {what} {_plural(abs(begin - expected_begin), 'byte')}",
+            )
+        expected_begin, previous = end, key
+    if expected_begin != data_size:
+        found = f"{data_size} bytes (file size {file_size} - 8 - header length {header_len})"
+        if previous is None:
+            raise invalid("the data section", "data section covered", "no data (the header lists no tensor)", found)
+        expected = f"{expected_begin} bytes of data, ending where the last tensor, {previous!r}, ends"
+        if data_size < expected_begin:
+            raise invalid("the data section", "data section covered", expected, found, "The file is truncated: download or copy it again.")
+        raise invalid(
+            "the data section", "data section covered", expected,
+            f"{found}: {_plural(data_size - expected_begin, 'byte')} that no tensor covers (a wrong header length, or bytes appended)",
+        )
     return infos
 
 
