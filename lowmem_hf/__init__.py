@@ -23,6 +23,7 @@ from .errors import (
     MissingKeyError,
     MissingShardError,
     NothingToLoadError,
+    OutsideCheckpointError,
     RankFailedError,
     RemoteFileChangedError,
     ShapeMismatchError,
@@ -98,5 +99,6 @@ __all__ = [
     "NothingToLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
+    "OutsideCheckpointError",
     *_AUTO_CLASS_NAMES,
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "NothingToLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
+    "OutsideCheckpointError",
 ]
 
 
@@ -76,3 +77,10 @@ class RankFailedError(LowMemError, RuntimeError):
 
 class RemoteFileChangedError(LowMemError, OSError):
     """A remote file no longer matches the size/etag the load was planned with."""
+
+
+class OutsideCheckpointError(LowMemError, ValueError):
+    """A weight file the checkpoint names (``config.transformers_weights``, an index entry, a symlink, a subfolder or
+    variant) resolves outside the checkpoint folder, or for a Hub repo outside that repo's HF cache folder. Refused
+    before any byte of it is read; the message names the entry."""
+

@@ -5,24 +5,110 @@ The weight-file preference mirrors transformers 5's ``_get_resolved_checkpoint_f
 ``pytorch_model.bin``, ``pytorch_model.bin.index.json`` (each with the variant inserted before the extension).
 A sharded training checkpoint's folder resolves through its own metadata (``resolve_dcp``). Each format's
 header is its module's business (``formats/``).
+
+Containment: every file a load opens lies inside the checkpoint folder, symlinks followed (``inside_folder``,
+``check_real_path``), so a ``config.transformers_weights`` or an index entry can never make a load read a file the
+caller did not point at. A folder inside the HF cache (a ``snapshot_download`` path) may also resolve into its repo's
+blobs, where its snapshot symlinks point.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import re
+from typing import Any, Sequence
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingShardError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingShardError, OutsideCheckpointError
 from .formats import dcp, safetensors, torch_pickle
 from .types import Checkpoint, CheckpointFormat, TensorInfo
 
-__all__ = ["resolve_local", "resolve_dcp", "weight_candidates", "is_index", "parse_index", "add_tensors"]
+__all__ = [
+    "resolve_local", "resolve_dcp", "weight_candidates", "is_index", "parse_index", "add_tensors",
+    "inside_folder", "check_real_path", "cache_roots", "describe_keys", "HOW_TO_LOAD_OUTSIDE",
+]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+
+
+HOW_TO_LOAD_OUTSIDE = (
+    "lowmem_hf reads only files inside the checkpoint folder. To load these weights deliberately, copy (or "
+    "hard-link) the file into the folder and name it relative to the folder."
+)
+_CACHE_REPO_FOLDER = re.compile(r"(models|datasets|spaces)--.+")
+
+
+def _within(path: str, root: str) -> bool:
+    """Whether absolute ``path`` is ``root`` or below it (by path components, not string prefix)."""
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:  # different drives on Windows
+        return False
+
+
+def inside_folder(entry: str, folder: str, *, what: str, base: str | None = None) -> str:
+    """``base/entry`` (``base`` defaults to ``folder``) as an absolute path, refused unless it stays inside
+    ``folder`` (``..`` or an absolute path that leaves it). Pure: looks at no file. ``what`` names where the entry
+    comes from, for the message.
+
+    Raises:
+        OutsideCheckpointError: naming ``what``, the entry, where it leads and the folder.
+    """
+    folder = os.path.abspath(folder)
+    path = os.path.normpath(os.path.join(base or folder, entry))
+    if not _within(path, folder):
+        raise OutsideCheckpointError(
+            f"{what} {entry!r}: that is {path}, outside the checkpoint folder {folder}. {HOW_TO_LOAD_OUTSIDE}"
+        )
+    return path
+
+
+def cache_roots(folder: str) -> tuple[str, ...]:
+    """Where a folder inside the HF cache may also resolve to: ``.../models--org--name/snapshots/<rev>/...``
+    holds symlinks into ``.../models--org--name/blobs`` (which may link on into the cache's shared blob store,
+    ``<cache>/blobs``). Empty for a folder that is not a cache snapshot."""
+    roots = []
+    for candidate in dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder))):
+        parts = candidate.split(os.sep)
+        for i in range(len(parts) - 2, 0, -1):
+            if parts[i] == "snapshots" and _CACHE_REPO_FOLDER.fullmatch(parts[i - 1]):
+                repo_folder = os.sep.join(parts[:i]) or os.sep
+                roots += [repo_folder, os.path.join(os.path.dirname(repo_folder), "blobs")]
+                break
+    return tuple(dict.fromkeys(roots))
+
+
+def check_real_path(path: str, folder: str, *, what: str, entry: str, roots: Sequence[str] = ()) -> None:
+    """Refuse ``path`` (inside ``folder`` by name) if, symlinks followed, it lies outside ``folder`` and ``roots``.
+
+    Looks only at the links (``realpath``), reads no byte of the file.
+
+    Raises:
+        OutsideCheckpointError: naming ``what``, the entry, the file the link leads to and the folder.
+    """
+    real = os.path.realpath(path)
+    allowed = [os.path.realpath(folder), *(os.path.realpath(r) for r in roots)]
+    if not any(_within(real, r) for r in allowed):
+        raise OutsideCheckpointError(
+            f"{what} {entry!r}: a symlink to {real}, outside the checkpoint folder {os.path.abspath(folder)}. "
+            f"{HOW_TO_LOAD_OUTSIDE}"
+        )
+
+
+def _contained(entry: str, folder: str, *, what: str, base: str | None = None) -> str:
+    """``inside_folder`` then, if the file is there, ``check_real_path`` (a cache snapshot may link to its blobs)."""
+    path = inside_folder(entry, folder, what=what, base=base)
+    if os.path.lexists(path):
+        check_real_path(path, folder, what=what, entry=entry, roots=cache_roots(folder))
+    return path
+
+
+def describe_keys(keys: Sequence[str]) -> str:
+    """``'a', 'b', 'c' and 4 more``: the first keys of a list, for messages."""
+    return ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _add_variant(name: str, variant: str | None) -> str:
@@ -87,7 +173,9 @@ def resolve_local(
         )
 
     candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
-    found = next((c for c in candidates if os.path.isfile(os.path.join(directory, c))), None)
+    what = "config.json's transformers_weights names" if explicit_filename is not None else "The weight file is"
+    paths = {c: inside_folder(c, directory, what=what) for c in candidates}  # before any file is looked at
+    found = next((c for c in candidates if os.path.isfile(paths[c])), None)
     if found is None:
         raise CheckpointNotFoundError(
             f"No weights in {directory}: looked for {', '.join(candidates)}. "
@@ -99,11 +187,11 @@ def resolve_local(
         )
 
     header_bytes = 0
-    path = os.path.join(directory, found)
+    path = _contained(found, directory, what=what)
     index_metadata: dict[str, Any] | None = None
     if is_index(found):
         header_bytes += os.path.getsize(path)
-        files, index_metadata = _read_index(path)
+        files, index_metadata = _read_index(path, directory)
     else:
         files = [path]
 
@@ -148,6 +236,8 @@ def parse_index(index_path: str) -> tuple[dict[str, list[str]], dict[str, Any]]:
         weight_map: dict[str, str] = index["weight_map"]
         by_file: dict[str, list[str]] = {}
         for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise TypeError(f"the entry of {key!r} is {shard!r}, not a file name")
             by_file.setdefault(shard, []).append(key)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
@@ -157,21 +247,26 @@ def parse_index(index_path: str) -> tuple[dict[str, list[str]], dict[str, Any]]:
     return by_file, index.get("metadata") or {}
 
 
-def _read_index(index_path: str) -> tuple[list[str], dict[str, Any]]:
+def _read_index(index_path: str, folder: str) -> tuple[list[str], dict[str, Any]]:
     by_file, metadata = parse_index(index_path)
     directory = os.path.dirname(index_path)
-    missing = [shard for shard in by_file if not os.path.isfile(os.path.join(directory, shard))]
+    # every entry inside the folder before any shard is opened (transformers follows them wherever they lead)
+    paths = {
+        shard: _contained(shard, folder, base=directory, what=f"{os.path.basename(index_path)} maps {describe_keys(keys)} to")
+        for shard, keys in by_file.items()
+    }
+    missing = [shard for shard in by_file if not os.path.isfile(paths[shard])]
     if missing:
         shard = missing[0]
         keys = by_file[shard]
-        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        shown = describe_keys(keys)
         others = f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""
         raise MissingShardError(
             f"{index_path} names shard {shard!r}, which is not in {directory}{others}. "
             f"It should hold {len(keys)} tensors: {shown}. Copy the missing file, or re-save the checkpoint."
         )
     # Shard names sort in file order (model-00001-of-0000N...), so reads go front to back.
-    return [os.path.join(directory, shard) for shard in sorted(by_file)], metadata
+    return [paths[shard] for shard in sorted(by_file)], metadata
 
 
 def resolve_dcp(name_or_path: str, *, subfolder: str = "") -> Checkpoint:
@@ -182,8 +277,14 @@ def resolve_dcp(name_or_path: str, *, subfolder: str = "") -> Checkpoint:
         CorruptCheckpointError: a chunk that lies past the end of its file (a truncated ``.distcp`` or shard).
     """
     directory = os.path.abspath(os.path.join(str(name_or_path), subfolder))
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    for name in names:  # what the reader opens first: the metadata, the shards' headers
+        if name == dcp.DCP_METADATA or name.endswith(dcp.DISTCP_SUFFIX) or dcp.HF_SHARD_PATTERN.match(name):
+            _contained(name, directory, what="The training checkpoint file is")
     layout, infos, header_bytes = dcp.read_layout(directory)
     files = sorted({c.file for chunks in layout.chunks.values() for c in chunks})
+    for file in files:  # the metadata names the files it stores chunks in; each must be inside too
+        _contained(os.path.relpath(file, directory), directory, what="The training checkpoint's metadata names")
     return Checkpoint(
         name_or_path=str(name_or_path),
         format=CheckpointFormat.DCP,
