@@ -19,11 +19,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.constants import is_offline_mode
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, is_index, parse_index, weight_candidates
+from .sources.http import HttpRanges
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
 __all__ = ["pin_revision", "resolve_hub", "HubArgs"]
@@ -112,17 +112,15 @@ def _cached(repo_id: str, filename: str, commit: str, hub: HubArgs) -> str | Non
 
 
 def _ranged(remote: RemoteFile, start: int, stop: int, hub: HubArgs) -> bytes:
-    """Bytes ``[start, stop)`` of a remote file through huggingface_hub's own session (exactly those bytes)."""
-    headers = build_hf_headers(token=hub.get("token"))
-    headers.update({"Range": f"bytes={start}-{stop - 1}", "Accept-Encoding": "identity"})
-    response = get_session().get(remote.url, headers=headers, follow_redirects=True)
-    hf_raise_for_status(response)
-    if response.status_code != 206 or len(response.content) != stop - start:
-        raise CorruptCheckpointError(
-            f"{remote.filename}: asked for bytes {start}-{stop - 1}, the server answered {response.status_code} with "
-            f"{len(response.content)} bytes. The endpoint must support HTTP Range requests."
-        )
-    return response.content
+    """Bytes ``[start, stop)`` of a remote file through huggingface_hub's own session (exactly those bytes),
+    retried and checked (size, etag) as the tensor bytes of ``fetch="ranges"`` are."""
+    buffer = bytearray(stop - start)
+    source = HttpRanges({remote.filename: remote}, token=hub.get("token"))
+    try:
+        source.read(remote.filename, memoryview(buffer), start)
+    finally:
+        source.close()
+    return bytes(buffer)
 
 
 def _remote_header(remote: RemoteFile, hub: HubArgs):

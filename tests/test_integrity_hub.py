@@ -1,7 +1,8 @@
-"""Integrity: a load reads only files inside its checkpoint.
+"""Integrity: a load reads only files inside its checkpoint, and its Hub reads are retried and checked.
 
 Weight files named outside the folder (``config.transformers_weights``, index entries with ``..``, absolute paths,
-escaping symlinks) are refused before any byte is read.
+escaping symlinks) are refused before any byte is read; header Range reads retry as body reads do (the loopback
+fake Hub of tests/hub_server.py).
 """
 
 import json
@@ -14,7 +15,7 @@ import torch
 from huggingface_hub import snapshot_download
 
 import lowmem_hf
-from lowmem_hf.errors import OutsideCheckpointError
+from lowmem_hf.errors import CorruptCheckpointError, OutsideCheckpointError
 
 Causal = lowmem_hf.LowMemAutoModelForCausalLM
 
@@ -126,3 +127,26 @@ def test_a_folder_that_is_a_snapshot_of_the_hf_cache_loads(hf_hub, make_checkpoi
     snapshot = snapshot_download("org/llama")
     assert os.path.islink(os.path.join(snapshot, "model-00001-of-00003.safetensors"))
     assert_same(Causal.from_pretrained(snapshot), Causal.from_pretrained(local))
+
+
+# --------------------------------------------------------------------------------------------- Hub repos
+
+
+def test_header_range_read_cut_on_every_try_is_retried_then_a_named_error(hf_hub, make_checkpoint):
+    hf_hub.add_repo("org/llama", make_checkpoint("llama", "sharded"))
+    name = "model-00001-of-00003.safetensors"
+    hf_hub.cut_next(0, count=None, path=name)  # every body of that file ends before its first byte
+    with pytest.raises(CorruptCheckpointError) as e:
+        Causal.from_pretrained("org/llama")
+    msg = str(e.value)
+    assert name in msg and "got 0 of 8 bytes at offset 0 after 5 attempts" in msg and "keeps dropping" in msg
+    assert len([r for r in hf_hub.requests if r.filename == name and r.method == "GET"]) == 5
+
+
+def test_header_range_read_cut_twice_is_retried_and_loads(hf_hub, make_checkpoint):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    name = "model-00001-of-00003.safetensors"
+    hf_hub.cut_next(0, count=2, path=name)
+    assert_same(Causal.from_pretrained("org/llama", fetch="ranges"), Causal.from_pretrained(local))
+    assert sum(r.cut for r in hf_hub.requests if r.filename == name) == 2

@@ -2,6 +2,7 @@
 
 Nothing is written to disk. A dropped connection resumes from the last byte received; a remote file whose
 size or etag differs from the plan raises ``RemoteFileChangedError`` instead of yielding a corrupted tensor.
+Planning reads the safetensors headers through the same reads (``hub.resolve_hub``), so they resume and check alike.
 Files already in the HF cache are read there (``LocalFiles``) and fetched not at all.
 """
 
@@ -82,7 +83,7 @@ class HttpRanges(ByteSource):
         if received < len(view):
             raise CorruptCheckpointError(
                 f"{remote.filename}: got {received} of {len(view)} bytes at offset {offset} after {_MAX_ATTEMPTS} "
-                "attempts; the connection keeps dropping. Retry, or use fetch='files'."
+                "attempts; the connection keeps dropping. Check the network (or proxy) to the Hub and load again."
             )
 
     @staticmethod
@@ -96,7 +97,7 @@ class HttpRanges(ByteSource):
         total = content_range.rpartition("/")[2]
         if total.isdigit() and int(total) != remote.size:
             raise RemoteFileChangedError(
-                f"{remote.filename}: the load was planned for a file of {remote.size} bytes (etag {remote.etag}) "
+                f"{remote.filename}: the load was planned for {remote.size} bytes (etag {remote.etag}) "
                 f"but the server now has {int(total)} bytes. The file changed; load again to re-plan."
             )
         # After a redirect (the Hub's CDN) the plain ETag is the CDN's own; X-Linked-Etag is always the file's.
