@@ -18,6 +18,7 @@ import transformers as _transformers  # a lazy module: its export table names ev
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    CorruptDownloadError,
     IncompleteLoadError,
     LowMemError,
     MissingKeyError,
@@ -100,5 +101,6 @@ __all__ = [
     "RankFailedError",
     "RemoteFileChangedError",
     "OutsideCheckpointError",
+    "CorruptDownloadError",
     *_AUTO_CLASS_NAMES,
 ]

@@ -87,6 +87,11 @@ class LowMemAutoModelBase:
                 fetched once by one rank, in spans of at most ``fetch_span_bytes`` (default 16 MiB), and the
                 ranks send each other the pieces over the group.
             fetch_span_bytes: the largest span one request of the cooperative fetch asks for.
+            verify_downloads: for Hub repos (default ``True``): every file downloaded during the load (the shards of
+                ``fetch="files"``, ``.bin`` shards) is hashed before it is read and compared with the sha256 the Hub
+                publishes for LFS files (their ETag); a mismatch removes the file from the HF cache and downloads it
+                once more, then raises ``CorruptDownloadError``. ``False`` skips the hashing (size and ETag are still
+                compared with the plan). Files already in the cache are not hashed again.
             **config_overrides: config attributes to override (``num_labels=3``), or arguments of the model's
                 ``__init__``, exactly as transformers routes them.
 

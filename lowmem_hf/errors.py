@@ -21,6 +21,7 @@ __all__ = [
     "RankFailedError",
     "RemoteFileChangedError",
     "OutsideCheckpointError",
+    "CorruptDownloadError",
 ]
 
 
@@ -84,3 +85,7 @@ class OutsideCheckpointError(LowMemError, ValueError):
     variant) resolves outside the checkpoint folder, or for a Hub repo outside that repo's HF cache folder. Refused
     before any byte of it is read; the message names the entry."""
 
+
+class CorruptDownloadError(CorruptCheckpointError):
+    """A file downloaded from the Hub does not hash to the sha256 the Hub publishes for it (its ETag), on the first
+    download and on the one retry. The corrupt copy is no longer in the HF cache."""

@@ -1,58 +1,48 @@
 """Fetch: bring a Hub checkpoint's planned bytes to this process.
 
 - ``fetch_files``: download into the standard HF cache only the files the plan touches
-  (``hf_hub_download``: its locks make concurrent ranks on one machine download each file once).
+  (``hf_hub_download``: its locks make concurrent ranks on one machine download each file once). Each file
+  downloaded here is checked before the stream reads it (``hub.download``): the size and etag it was planned
+  with, and for LFS files the sha256 the Hub publishes (``verify``).
 - ``fetch="ranges"``: no file is downloaded; the byte sources ``sources.http.HttpRanges`` (one process) and
   ``sources.exchange.CooperativeRanges`` (under a process group) fetch exactly the planned byte ranges.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
-from huggingface_hub import hf_hub_download
-
-from .errors import RemoteFileChangedError
-from .types import Checkpoint, RemoteFile
+from .hub import download
+from .types import Checkpoint
 
 __all__ = ["fetch_files", "FETCH_MODES"]
 
 FETCH_MODES = ("files", "ranges")
 
 
-def fetch_files(checkpoint: Checkpoint, needed: Iterable[str], hub: dict, *, tqdm_class=None) -> dict[str, str]:
-    """Download the needed repo files at the pinned commit into the HF cache; ``{repo path: local path}``."""
+def fetch_files(
+    checkpoint: Checkpoint, needed: Iterable[str], hub: dict, *, verify: bool = True, tqdm_class=None
+) -> dict[str, str]:
+    """Download the needed repo files at the pinned commit into the HF cache; ``{repo path: local path}``.
+
+    Files resolve found in the cache are read there as they are. Every other file is downloaded and checked
+    (``hub.download``); with ``verify``, an LFS file is hashed against its sha256 before it is returned.
+
+    Raises:
+        RemoteFileChangedError: a file's size or etag differs from the plan (it is removed from the cache).
+        CorruptDownloadError: a file's sha256 differs from the Hub's, twice (it is removed from the cache).
+    """
     paths = dict(checkpoint.local_paths)
     for repo_path in needed:
         if repo_path in paths:
             continue
-        paths[repo_path] = hf_hub_download(
+        paths[repo_path] = download(
             checkpoint.repo_id,
             repo_path,
             revision=checkpoint.commit,
-            cache_dir=hub.get("cache_dir"),
-            force_download=bool(hub.get("force_download")),
-            local_files_only=bool(hub.get("local_files_only")),
-            token=hub.get("token"),
+            hub=hub,
+            expected=checkpoint.remote.get(repo_path),
+            verify=verify,
             tqdm_class=tqdm_class,
         )
-        _check_size(checkpoint.remote.get(repo_path), paths[repo_path])
     return paths
-
-
-def _check_size(remote: RemoteFile | None, path: str) -> None:
-    """A downloaded file must be the one the plan read the header of; otherwise drop it from the cache."""
-    if remote is not None and os.path.getsize(path) != remote.size:
-        size = os.path.getsize(path)
-        blob = os.path.realpath(path)
-        for stale in {path, blob}:  # the snapshot link and its blob: the cache must not keep a mismatched file
-            try:
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
-        raise RemoteFileChangedError(
-            f"{remote.filename}: the load was planned for {remote.size} bytes but the downloaded file has "
-            f"{size}; it was removed from the cache. The repo changed under the pinned commit or the download is "
-            "corrupt; load again to re-plan."
-        )

@@ -3,15 +3,22 @@
 Everything HTTP goes through huggingface_hub (``hf_hub_download`` for small files and whole shards,
 ``get_hf_file_metadata`` for sizes and etags, its session and headers for the ranged reads), so auth,
 offline mode, the cache layout, locks and endpoints behave as everywhere else in the HF stack.
+
+Integrity: every file a Hub load opens is a path inside the repo and, symlinks followed, inside the repo's HF
+cache folder. A file downloaded during the load (``download``) must have the size and etag it was planned with
+and, for LFS files, whose etag is the sha256 of the content, hash to that etag before anything reads it; a corrupt
+download is removed from the cache and fetched once more, so the cache never keeps a file that fails the check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import replace
 
 import torch.distributed as dist
-from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
     LocalEntryNotFoundError,
@@ -19,14 +26,23 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.constants import is_offline_mode
+from huggingface_hub.file_download import repo_folder_name
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
 from .formats import safetensors, torch_pickle
-from .resolve import add_tensors, is_index, parse_index, weight_candidates
+from .resolve import add_tensors, check_real_path, describe_keys, is_index, parse_index, weight_candidates
 from .sources.http import HttpRanges
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
-__all__ = ["pin_revision", "resolve_hub", "HubArgs"]
+__all__ = ["pin_revision", "resolve_hub", "download", "file_sha256", "HubArgs", "HASH_BLOCK_BYTES"]
+
+HASH_BLOCK_BYTES = 16 * 1024 * 1024
+"""Block size of ``file_sha256``: large enough that hashing runs at the hash's speed, not the syscalls'."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_OUTSIDE_REPO_HOW = (
+    "lowmem_hf reads only the repo's own files. To load these weights deliberately, download them, copy them into "
+    "a local folder with the config and load that folder."
+)
 
 HubArgs = dict  # cache_dir, force_download, local_files_only, proxies, token, subfolder (as transformers names them)
 
@@ -70,28 +86,171 @@ def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
     return commit
 
 
-def _download(repo_id: str, filename: str, revision: str, hub: HubArgs) -> str:
-    subfolder = hub.get("subfolder") or None
-    try:
-        return hf_hub_download(
-            repo_id,
-            filename,
-            subfolder=subfolder,
-            revision=revision,
-            cache_dir=hub.get("cache_dir"),
-            force_download=bool(hub.get("force_download")),
-            local_files_only=bool(hub.get("local_files_only")),
-            token=hub.get("token"),
+def _download(
+    repo_id: str, filename: str, revision: str, hub: HubArgs, *, expected: RemoteFile | None = None, verify: bool = True
+) -> str:
+    """``download`` of ``filename`` inside the ``subfolder``."""
+    return download(repo_id, _repo_path(filename, hub), revision=revision, hub=hub, expected=expected, verify=verify)
+
+
+def download(
+    repo_id: str,
+    repo_path: str,
+    *,
+    revision: str,
+    hub: HubArgs,
+    expected: RemoteFile | None = None,
+    verify: bool = True,
+    tqdm_class=None,
+) -> str:
+    """One repo file into the HF cache with ``hf_hub_download``, checked before anything reads it; its local path.
+
+    A file already in the cache at a pinned commit is returned as it is, with no request and no hashing: what
+    lowmem_hf downloads was checked when it was downloaded, and hashing every cached file on every load would add
+    its hashing time to every warm load (``benchmarks/bench_verify.py``). Otherwise the file must resolve inside the
+    repo's cache folder; have the size and etag
+    of ``expected`` (the metadata the load was planned with), if given; and, when ``verify`` is on and the file is
+    an LFS file (its etag is a sha256), hash to its etag. A file that fails the hash is removed from the cache and
+    downloaded once more; nothing that fails a check stays in the cache.
+
+    Args:
+        repo_id: the repo.
+        repo_path: the file's path in the repo (``subfolder`` included).
+        revision: the pinned commit (a branch only for ``pin_revision``'s ``config.json``).
+        hub: cache_dir, force_download, local_files_only, token.
+        expected: the size and etag the load was planned with.
+        verify: hash LFS files this call downloads (``from_pretrained(verify_downloads=...)``).
+        tqdm_class: huggingface_hub's progress bar class.
+
+    Raises:
+        CheckpointNotFoundError: the repo, revision or file does not exist.
+        RemoteFileChangedError: the download's size or etag is not ``expected``'s.
+        CorruptDownloadError: the sha256 differs from the etag twice in a row.
+        OutsideCheckpointError: the cached file links outside the repo's cache folder.
+    """
+    offline = _offline(hub)
+    force = bool(hub.get("force_download"))
+    if _is_commit(revision) and not force:
+        cached = _cached(repo_id, repo_path, revision, hub)
+        if cached is not None:
+            return cached
+    hashes = []
+    for attempt in range(2):
+        try:
+            path = hf_hub_download(
+                repo_id,
+                repo_path,
+                revision=revision,
+                cache_dir=hub.get("cache_dir"),
+                force_download=force or attempt > 0,
+                local_files_only=bool(hub.get("local_files_only")),
+                token=hub.get("token"),
+                tqdm_class=tqdm_class,
+            )
+        except LocalEntryNotFoundError:
+            raise  # offline and not cached: huggingface_hub's own error says exactly that
+        except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+            raise _not_found(repo_id, revision, repo_path, e) from e
+        _check_in_cache(path, repo_id, repo_path, hub)
+        etag = _blob_etag(path) or (expected.etag if expected is not None else None)
+        if expected is not None:
+            _check_planned(expected, path, etag)
+        if offline or not verify or etag is None or not _SHA256.fullmatch(etag):
+            return path  # nothing downloaded, verification off, or no published sha256 (a non-LFS file)
+        hashes.append(file_sha256(path))
+        if hashes[-1] == etag:
+            return path
+        _evict(path)
+    raise CorruptDownloadError(
+        f"{repo_path} (repo {repo_id!r}, revision {revision}): the Hub publishes sha256 {etag} for it (its ETag), "
+        f"but the downloaded bytes hash to {hashes[0]}, and after a second download to {hashes[1]}. The corrupt file "
+        "was removed from the HF cache. Something between the Hub and this machine changes the bytes (a proxy, the "
+        "network, the disk): fix that and load again. verify_downloads=False skips this check, at the risk of a "
+        "wrong model."
+    )
+
+
+def file_sha256(path: str, *, block_bytes: int = HASH_BLOCK_BYTES) -> str:
+    """The hex sha256 of a file, read in ``block_bytes`` blocks into one reused buffer (hashlib releases the
+    GIL on large blocks, so other threads keep running)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(block_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _is_commit(revision: str) -> bool:
+    return bool(re.fullmatch(r"[0-9a-f]{40}", revision or ""))
+
+
+def _blob_etag(path: str) -> str | None:
+    """The etag huggingface_hub downloaded the file under: its blob's name (``snapshots/<sha>/f -> ../../blobs/<etag>``);
+    None where the cache holds copies instead of links (no symlink support)."""
+    return os.path.basename(os.readlink(path)) if os.path.islink(path) else None
+
+
+def _evict(path: str) -> None:
+    """Remove a snapshot file and the repo blob it links to (one hop: a shared-store blob behind it stays)."""
+    stale = [path]
+    if os.path.islink(path):
+        stale.append(os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path))))
+    for file in stale:
+        try:
+            os.remove(file)
+        except FileNotFoundError:
+            pass
+
+
+def _check_planned(remote: RemoteFile, path: str, etag: str | None) -> None:
+    """A downloaded file must be the one the load was planned with; otherwise drop it from the cache."""
+    size = os.path.getsize(path)
+    if size != remote.size:
+        _evict(path)
+        raise RemoteFileChangedError(
+            f"{remote.filename}: the load was planned for {remote.size} bytes but the downloaded file has "
+            f"{size}; it was removed from the cache. The repo changed under the pinned commit or the download is "
+            "corrupt; load again to re-plan."
         )
-    except LocalEntryNotFoundError:
-        raise  # offline and not cached: huggingface_hub's own error says exactly that
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
-        raise _not_found(repo_id, revision, filename, e) from e
+    if etag is not None and remote.etag is not None and etag != remote.etag:
+        _evict(path)
+        raise RemoteFileChangedError(
+            f"{remote.filename}: the load was planned for etag {remote.etag} but the file was downloaded with etag "
+            f"{etag}; it was removed from the cache. The file changed between the two requests (under the pinned "
+            "commit); load again to re-plan."
+        )
 
 
 def _repo_path(filename: str, hub: HubArgs) -> str:
     subfolder = hub.get("subfolder") or ""
     return f"{subfolder}/{filename}" if subfolder else filename
+
+
+def _check_repo_path(entry: str, repo_path: str, *, repo_id: str, what: str) -> None:
+    """Refuse a repo path that leaves the repo (``..``, absolute), as huggingface_hub refuses it for downloads,
+    before it is looked up in the cache (where it would lead outside the snapshot)."""
+    parts = repo_path.replace("\\", "/").split("/")
+    if repo_path.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", repo_path) or ".." in parts:
+        shown = f"{entry!r}" + (f" (repo path {repo_path!r})" if repo_path != entry else "")
+        raise OutsideCheckpointError(
+            f"{what} {shown}, which leaves the repo {repo_id!r}: a file of a Hub checkpoint is a path inside its "
+            f"repo (no '..', not absolute). {_OUTSIDE_REPO_HOW}"
+        )
+
+
+def _cache_folder(repo_id: str, hub: HubArgs) -> tuple[str, tuple[str, ...]]:
+    """The repo's folder in the HF cache, and where its files may resolve: the folder itself (snapshots link to
+    its ``blobs``) and the cache's shared blob store (``<cache>/blobs``, where Xet-deduplicated blobs link)."""
+    cache_dir = os.fspath(hub.get("cache_dir") or constants.HF_HUB_CACHE)
+    folder = os.path.join(cache_dir, repo_folder_name(repo_id=repo_id, repo_type="model"))
+    return folder, (os.path.join(cache_dir, "blobs"),)
+
+
+def _check_in_cache(path: str, repo_id: str, repo_path: str, hub: HubArgs) -> None:
+    folder, roots = _cache_folder(repo_id, hub)
+    check_real_path(path, folder, what=f"The cached file of {repo_id!r}", entry=repo_path, roots=roots)
 
 
 def _remote(repo_id: str, filename: str, commit: str, hub: HubArgs) -> RemoteFile | None:
@@ -106,9 +265,13 @@ def _remote(repo_id: str, filename: str, commit: str, hub: HubArgs) -> RemoteFil
     return RemoteFile(filename=_repo_path(filename, hub), url=url, size=int(meta.size), etag=meta.etag)
 
 
-def _cached(repo_id: str, filename: str, commit: str, hub: HubArgs) -> str | None:
-    path = try_to_load_from_cache(repo_id, _repo_path(filename, hub), cache_dir=hub.get("cache_dir"), revision=commit)
-    return path if isinstance(path, str) else None
+def _cached(repo_id: str, repo_path: str, commit: str, hub: HubArgs) -> str | None:
+    """The cached copy of a repo file at ``commit``, checked to resolve inside the repo's cache folder; or None."""
+    path = try_to_load_from_cache(repo_id, repo_path, cache_dir=hub.get("cache_dir"), revision=commit)
+    if not isinstance(path, str):
+        return None
+    _check_in_cache(path, repo_id, repo_path, hub)
+    return path
 
 
 def _ranged(remote: RemoteFile, start: int, stop: int, hub: HubArgs) -> bytes:
@@ -137,21 +300,30 @@ def resolve_hub(
     use_safetensors: bool | None,
     explicit_filename: str | None,
     weights_only: bool,
+    verify: bool = True,
 ) -> Checkpoint:
     """Describe a Hub checkpoint at ``commit`` from its index and headers; download no safetensors shard body.
 
     Files already in the HF cache are read there. ``.bin`` shards have no readable header: they are
-    downloaded (into the cache) whole to learn their shapes, as transformers does.
+    downloaded (into the cache) whole to learn their shapes, as transformers does, and checked as ``download``
+    checks every file it downloads (``verify``: hash LFS files against their sha256). Every file name (weights,
+    ``config.transformers_weights``, index entries, with ``subfolder`` and ``variant``) must stay inside the repo,
+    checked before any file is looked up.
 
     Raises:
         CheckpointNotFoundError: no weights of an accepted kind at that commit (names repo, revision, files).
+        OutsideCheckpointError: a file name that leaves the repo, or a cached file that links outside its cache folder.
+        RemoteFileChangedError, CorruptDownloadError: a downloaded file that is not the one planned (see ``download``).
     """
     offline = _offline(hub)
     candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
+    what = "config.json's transformers_weights names" if explicit_filename is not None else "The weight file is"
+    for candidate in candidates:
+        _check_repo_path(candidate, _repo_path(candidate, hub), repo_id=repo_id, what=what)
 
     found, remote_found = None, None
     for candidate in candidates:
-        if _cached(repo_id, candidate, commit, hub) is not None:
+        if _cached(repo_id, _repo_path(candidate, hub), commit, hub) is not None:
             found = candidate
             break
         if not offline:
@@ -166,12 +338,28 @@ def resolve_hub(
             + ". Check `variant`, `subfolder` and `use_safetensors`."
         )
 
+    def planned(name: str) -> RemoteFile | None:
+        """The size and etag of ``name`` at ``commit`` (one HEAD unless the candidate probe made it), or None offline."""
+        if offline:
+            return None
+        if remote_found is not None and remote_found.filename == _repo_path(name, hub):
+            return remote_found
+        found_remote = _remote(repo_id, name, commit, hub)
+        if found_remote is None:
+            raise CheckpointNotFoundError(
+                f"Cannot load {repo_id!r} (revision {commit!r}): the index names {_repo_path(name, hub)!r}, which the "
+                "repo does not have at that revision."
+            )
+        return found_remote
+
     header_bytes = 0
     index_metadata = None
     if is_index(found):
-        index_path = _download(repo_id, found, commit, hub)
+        index_path = _download(repo_id, found, commit, hub, expected=remote_found, verify=verify)
         header_bytes += os.path.getsize(index_path)
         by_file, index_metadata = parse_index(index_path)
+        for name, keys in by_file.items():  # every entry inside the repo before any shard is looked up
+            _check_repo_path(name, _repo_path(name, hub), repo_id=repo_id, what=f"{found} maps {describe_keys(keys)} to")
         names = sorted(by_file)
     else:
         names = [found]
@@ -181,9 +369,10 @@ def resolve_hub(
     fmt = CheckpointFormat.SAFETENSORS if is_safetensors else None
     for name in names:
         repo_path = _repo_path(name, hub)
-        cached = _cached(repo_id, name, commit, hub)
+        cached = _cached(repo_id, repo_path, commit, hub)
         if not is_safetensors:
-            cached = cached or _download(repo_id, name, commit, hub)
+            if cached is None:  # offline, download raises huggingface_hub's own offline error
+                cached = _download(repo_id, name, commit, hub, expected=planned(name), verify=verify)
             infos, nbytes, file_fmt = torch_pickle.read_header(cached, weights_only=weights_only)
             fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
         elif cached is not None:
@@ -192,13 +381,7 @@ def resolve_hub(
             cached = _download(repo_id, name, commit, hub)  # raises huggingface_hub's own offline error
             infos, nbytes = safetensors.read_header(cached)
         else:
-            remote[repo_path] = (remote_found if remote_found and remote_found.filename == repo_path
-                                 else _remote(repo_id, name, commit, hub))
-            if remote[repo_path] is None:
-                raise CheckpointNotFoundError(
-                    f"Cannot load {repo_id!r} (revision {commit!r}): the index names {repo_path!r}, which the repo "
-                    "does not have at that revision."
-                )
+            remote[repo_path] = planned(name)
             infos, nbytes = _remote_header(remote[repo_path], hub)
         if cached is not None:
             local_paths[repo_path] = cached

@@ -197,7 +197,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     if not fetched:
         paths = checkpoint.local_paths
         if checkpoint.repo_id is not None:
-            paths = fetch_files(checkpoint, plan.files, hub, tqdm_class=request.tqdm_class)
+            paths = fetch_files(checkpoint, plan.files, hub, verify=request.verify_downloads, tqdm_class=request.tqdm_class)
         source = LocalFiles(paths, gap_bytes=0 if prepared.cold else GAP_BYTES)
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # under a process group the ranks fetch together: each byte once, in large spans (sources/exchange.py)
@@ -340,7 +340,9 @@ def _resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Chec
     if not is_hub and (request.checkpoint_format == "dcp" or dcp.is_dcp_dir(os.path.join(request.name_or_path, request.hub.subfolder))):
         return resolve_dcp(request.name_or_path, subfolder=request.hub.subfolder)
     if is_hub:
-        return resolve_hub(request.name_or_path, commit=request.hub.revision, hub=request.hub.as_kwargs(), **selection)
+        return resolve_hub(
+            request.name_or_path, commit=request.hub.revision, hub=request.hub.as_kwargs(), verify=request.verify_downloads, **selection
+        )
     return resolve_local(request.name_or_path, subfolder=request.hub.subfolder, **selection)
 
 

@@ -209,6 +209,8 @@ class LoadRequest:
     """Hub loads: ``"files"`` (into the HF cache) or ``"ranges"`` (byte ranges into memory)."""
     fetch_span_bytes: int = 16 * 1024 * 1024
     """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
+    verify_downloads: bool = True
+    """Hub loads: hash each LFS file downloaded during the load against the sha256 the Hub publishes (its ETag)."""
     tp: TPOptions = field(default_factory=TPOptions)
     config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
@@ -296,6 +298,7 @@ def make_request(
     mmap: bool = False,
     fetch: str = "files",
     fetch_span_bytes: int = 16 * 1024 * 1024,
+    verify_downloads: bool = True,
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
@@ -343,6 +346,8 @@ def make_request(
         raise ValueError("mmap=True and disable_mmap=True disagree; pass one of them.")
     if not isinstance(fetch_span_bytes, int) or isinstance(fetch_span_bytes, bool) or fetch_span_bytes < 1:
         raise ValueError(f"fetch_span_bytes must be a positive int, got {fetch_span_bytes!r}.")
+    if not isinstance(verify_downloads, bool):
+        raise ValueError(f"verify_downloads must be True or False, got {verify_downloads!r}.")
     if checkpoint_format not in (None, "dcp"):
         raise ValueError(
             f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
@@ -382,6 +387,7 @@ def make_request(
         mmap=mmap,
         fetch=fetch,
         fetch_span_bytes=fetch_span_bytes,
+        verify_downloads=verify_downloads,
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,

@@ -75,9 +75,9 @@ header, else the client IP), ``server.bytes_for(repo_id, filename=None)``, ``ser
 bytes count (headers do not; HEAD counts 0).
 
 Fault knobs (settable at any time, also while serving): ``throttle_bytes_per_s``, ``cut_after_bytes`` /
-``cut_next()``, ``fail_next()``, ``latency_s``, ``replace_file()`` (optionally keeping the old ETag, optionally
-deferred until the client has planned), ``override_size()``, ``redirect_large``, ``tree_page_size``,
-``clear_faults()``. See each one's docstring.
+``cut_next()``, ``fail_next()``, ``corrupt_next()`` (bytes flipped in transit, length and ETag kept), ``latency_s``,
+``replace_file()`` (optionally keeping the old ETag, optionally deferred until the client has planned),
+``override_size()``, ``redirect_large``, ``tree_page_size``, ``clear_faults()``. See each one's docstring.
 
 What huggingface_hub 2.4 does on those faults (pinned by tests/test_hub_server.py)
 -------------------------------------------------------------------------------
@@ -156,6 +156,7 @@ class RequestRecord:
     client: str = ""
     origin: str = "hub"  # "hub" or "cdn" (the listener that answered)
     cut: bool = False  # the connection was cut by a fault knob
+    corrupted: bool = False  # body bytes were flipped by corrupt_next()
     headers: Mapping[str, str] = field(default_factory=dict)  # request headers, lower-cased names
 
 
@@ -182,6 +183,13 @@ class _Cut:
     remaining: int | None  # None: forever
     pattern: str | None
     mode: str
+
+
+@dataclass
+class _Corrupt:
+    remaining: int | None  # None: forever
+    pattern: str | None
+    nbytes: int
 
 
 @dataclass
@@ -274,6 +282,7 @@ class HubServer:
         self._etag_overrides: dict[tuple[str, str], tuple[str, str | None]] = {}  # (commit, path) -> (etag, sha256)
         self._cuts: list[_Cut] = []
         self._fails: list[_Fail] = []
+        self._corrupts: list[_Corrupt] = []
         self._triggers: list[_Trigger] = []
         # state
         self._lock = threading.RLock()
@@ -596,6 +605,16 @@ class HubServer:
         with self._lock:
             self._fails.append(_Fail(status, count, path, tuple(m.upper() for m in methods), retry_after))
 
+    def corrupt_next(self, count: int | None = 1, *, path: str | None = None, nbytes: int = 16) -> None:
+        """Flip (XOR 0xFF) ``nbytes`` bytes in the middle of the next ``count`` whole-file GET bodies (no ``Range``
+        header: what ``hf_hub_download`` sends; ranged reads are left alone) of files matching ``path`` (as in
+        ``cut_next``; ``count=None``: every one until ``clear_faults()``). Length, ETag and every header stay those
+        of the true file: a download corrupted in transit. ``RequestRecord.corrupted`` marks the responses."""
+        if nbytes < 1:
+            raise ValueError(nbytes)
+        with self._lock:
+            self._corrupts.append(_Corrupt(count, path, nbytes))
+
     def replace_file(self, repo_id: str, path: str, data: bytes | str | None, *, revision: str = "main",
                      keep_etag: bool = False, new_commit: bool = False,
                      when: str | Callable[[RequestRecord], bool] | None = None) -> None:
@@ -661,6 +680,7 @@ class HubServer:
         with self._lock:
             self._cuts.clear()
             self._fails.clear()
+            self._corrupts.clear()
             self._triggers.clear()
             self.size_overrides.clear()
             self.throttle_bytes_per_s = None
@@ -833,6 +853,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._ctx = {"repo_id": None, "filename": None, "revision": None, "commit": None}
             self._sent = 0
             self._cut = False
+            self._corrupted = False
             self._status = 0
             try:
                 if self.hub.latency_s:
@@ -860,7 +881,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return RequestRecord(
             method=self.command, path=self.path, range=self.headers.get("Range"), status=self._status,
             bytes_sent=self._sent, client=self.headers.get("X-Client-Id") or self.client_address[0],
-            origin=self.server.origin, cut=self._cut, headers=headers, **self._ctx,
+            origin=self.server.origin, cut=self._cut, corrupted=self._corrupted, headers=headers, **self._ctx,
         )
 
     def _start(self, status: int, headers: Mapping[str, str]) -> None:
@@ -1136,19 +1157,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 length_header = length
             headers["Content-Length"] = str(length_header)
-            cut = None
+            cut = corrupt = None
             if self.command == "GET":
                 cut = self.hub._take(self.hub._cuts, meta["path"])
                 if cut is None and self.hub.cut_after_bytes is not None:
                     cut = _Cut(self.hub.cut_after_bytes, None, None, "close")
+                if range_header is None:
+                    corrupt = self.hub._take(self.hub._corrupts, meta["path"])
             self._start(status, headers)
             if self.command == "HEAD":
                 return
-            self._stream(f, start, length, cut)
+            flip = None
+            if corrupt is not None and length:
+                at = max(0, length // 2 - corrupt.nbytes // 2)
+                flip = (at, min(length, at + corrupt.nbytes))
+            self._stream(f, start, length, cut, flip)
         finally:
             f.close()
 
-    def _stream(self, f, start: int, length: int, cut: _Cut | None):
+    def _stream(self, f, start: int, length: int, cut: _Cut | None, flip: tuple[int, int] | None = None):
         f.seek(start)
         limit = length if cut is None else min(length, cut.after)
         t0 = time.monotonic()
@@ -1158,6 +1185,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             chunk = f.read(min(chunk_size, limit - self._sent))
             if not chunk:
                 break
+            if flip is not None and flip[0] < self._sent + len(chunk) and self._sent < flip[1]:
+                chunk = bytearray(chunk)
+                for i in range(max(flip[0], self._sent), min(flip[1], self._sent + len(chunk))):
+                    chunk[i - self._sent] ^= 0xFF
+                self._corrupted = True
             self.wfile.write(chunk)
             self._sent += len(chunk)
             if rate:

@@ -1,8 +1,9 @@
-"""Integrity: a load reads only files inside its checkpoint, and its Hub reads are retried and checked.
+"""Integrity: a load reads only files inside its checkpoint, and never keeps or reads a corrupt Hub download.
 
-Weight files named outside the folder (``config.transformers_weights``, index entries with ``..``, absolute paths,
-escaping symlinks) are refused before any byte is read; header Range reads retry as body reads do (the loopback
-fake Hub of tests/hub_server.py).
+Local folders and Hub repos (the loopback fake Hub of tests/hub_server.py): weight files named outside the folder
+(``config.transformers_weights``, index entries with ``..``, absolute paths, escaping symlinks) are refused before
+any byte is read; files downloaded during a load are checked against the sha256 the Hub publishes (LFS ETag) and
+against the etag the load was planned with; header Range reads retry as body reads do.
 """
 
 import json
@@ -15,7 +16,10 @@ import torch
 from huggingface_hub import snapshot_download
 
 import lowmem_hf
-from lowmem_hf.errors import CorruptCheckpointError, OutsideCheckpointError
+import lowmem_hf.hub
+from hub_server import HF_DEFAULT_LFS_PATTERNS
+from lowmem_hf.errors import CorruptCheckpointError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
+from lowmem_hf.request import make_request
 
 Causal = lowmem_hf.LowMemAutoModelForCausalLM
 
@@ -53,6 +57,21 @@ def assert_same(got, expected):
     assert list(a) == list(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def flipped(data: bytes, nbytes: int = 16) -> bytes:
+    """``data`` with ``nbytes`` bytes in the middle inverted (what the fake Hub's ``corrupt_next`` sends)."""
+    at = len(data) // 2 - nbytes // 2
+    return data[:at] + bytes(b ^ 0xFF for b in data[at : at + nbytes]) + data[at + nbytes :]
+
+
+def cache_files(hf_home):
+    """Every file (and link) under the HF cache: {name: [paths]}."""
+    found = {}
+    for root, _, files in os.walk(os.path.join(hf_home, "hub")):
+        for f in files:
+            found.setdefault(f, []).append(os.path.join(root, f))
+    return found
 
 
 # --------------------------------------------------------------------------------------------- local folders
@@ -132,6 +151,103 @@ def test_a_folder_that_is_a_snapshot_of_the_hf_cache_loads(hf_hub, make_checkpoi
 # --------------------------------------------------------------------------------------------- Hub repos
 
 
+@pytest.fixture
+def lfs_hub(hf_hub):
+    """The fake Hub serving weight files as LFS files, as a real repo's .gitattributes does: ETag = sha256."""
+    hf_hub.lfs_patterns = HF_DEFAULT_LFS_PATTERNS
+    return hf_hub
+
+
+def shard_of(fmt):
+    return "model-00002-of-00003.safetensors" if fmt == "sharded" else "pytorch_model-00002-of-00003.bin"
+
+
+def whole_gets(server, name):
+    return [r for r in server.requests if r.filename == name and r.method == "GET" and r.range is None]
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+def test_download_corrupted_in_transit_is_fetched_once_more(lfs_hub, make_checkpoint, fmt):
+    local = make_checkpoint("llama", fmt)
+    lfs_hub.add_repo("org/llama", local)
+    name = shard_of(fmt)
+    lfs_hub.corrupt_next(1, path=name)
+    got = Causal.from_pretrained("org/llama")
+    assert_same(got, Causal.from_pretrained(local))
+    assert [r.corrupted for r in whole_gets(lfs_hub, name)] == [True, False]
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+def test_download_corrupted_twice_is_a_named_error_and_leaves_nothing_in_the_cache(lfs_hub, make_checkpoint, tmp_path, fmt):
+    local = make_checkpoint("llama", fmt)
+    lfs_hub.add_repo("org/llama", local)
+    name = shard_of(fmt)
+    sha256 = lfs_hub.file_etag("org/llama", name)
+    lfs_hub.corrupt_next(None, path=name)
+    with pytest.raises(CorruptDownloadError) as e:
+        Causal.from_pretrained("org/llama")
+    msg = str(e.value)
+    assert name in msg and f"publishes sha256 {sha256}" in msg and "removed from the HF cache" in msg
+    assert len(whole_gets(lfs_hub, name)) == 2  # fetched once more, then given up
+    cached = cache_files(tmp_path / "hf_home")
+    assert name not in cached and sha256 not in cached and not [f for f in cached if ".incomplete" in f]
+
+    # the next load does not reuse anything corrupt: it downloads the file again and gets the right model
+    lfs_hub.clear_faults()
+    assert_same(Causal.from_pretrained("org/llama"), Causal.from_pretrained(local))
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+def test_etag_that_changes_between_metadata_and_download_is_remote_file_changed(lfs_hub, make_checkpoint, tmp_path, fmt):
+    local = make_checkpoint("llama", fmt)
+    sha = lfs_hub.add_repo("org/llama", local)
+    name = shard_of(fmt)
+    planned = lfs_hub.file_etag("org/llama", name)
+    changed = flipped(open(os.path.join(local, name), "rb").read())  # same size, other bytes, another etag
+
+    def planned_and_header_read(record) -> bool:  # the last request of the plan: the HEAD (.bin), the header read
+        if record.filename != name:
+            return False
+        return record.method == "HEAD" if fmt == "bin" else record.method == "GET" and not record.range.startswith("bytes=0-")
+
+    lfs_hub.replace_file("org/llama", name, changed, when=planned_and_header_read)
+    with pytest.raises(RemoteFileChangedError) as e:
+        Causal.from_pretrained("org/llama", fetch="files")
+    now = lfs_hub.file_etag("org/llama", name)
+    msg = str(e.value)
+    assert name in msg and f"planned for etag {planned}" in msg and f"downloaded with etag {now}" in msg
+    cached = cache_files(tmp_path / "hf_home")
+    assert name not in cached and now not in cached
+    assert lfs_hub.commit_sha("org/llama") == sha
+
+
+def test_verify_downloads_false_skips_hashing(lfs_hub, make_checkpoint, monkeypatch):
+    local = make_checkpoint("llama", "sharded")
+    lfs_hub.add_repo("org/llama", local)
+    hashed = []
+    real = lowmem_hf.hub.file_sha256
+    monkeypatch.setattr(lowmem_hf.hub, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
+
+    assert_same(Causal.from_pretrained("org/llama", verify_downloads=False), Causal.from_pretrained(local))
+    assert hashed == []
+    assert make_request(Causal, "org/llama").verify_downloads is True
+    with pytest.raises(ValueError, match="verify_downloads must be True or False, got 'no'"):
+        make_request(Causal, "org/llama", verify_downloads="no")
+
+
+def test_each_downloaded_file_is_hashed_once_and_cached_files_not_again(lfs_hub, make_checkpoint, monkeypatch):
+    local = make_checkpoint("llama", "sharded")
+    lfs_hub.add_repo("org/llama", local)
+    hashed = []
+    real = lowmem_hf.hub.file_sha256
+    monkeypatch.setattr(lowmem_hf.hub, "file_sha256", lambda path, **kw: hashed.append(os.path.basename(path)) or real(path, **kw))
+    Causal.from_pretrained("org/llama")
+    assert sorted(hashed) == sorted(f for f in os.listdir(local) if f.endswith(".safetensors"))
+    hashed.clear()
+    Causal.from_pretrained("org/llama")  # all from the cache now
+    assert hashed == []
+
+
 def test_header_range_read_cut_on_every_try_is_retried_then_a_named_error(hf_hub, make_checkpoint):
     hf_hub.add_repo("org/llama", make_checkpoint("llama", "sharded"))
     name = "model-00001-of-00003.safetensors"
@@ -150,3 +266,37 @@ def test_header_range_read_cut_twice_is_retried_and_loads(hf_hub, make_checkpoin
     hf_hub.cut_next(0, count=2, path=name)
     assert_same(Causal.from_pretrained("org/llama", fetch="ranges"), Causal.from_pretrained(local))
     assert sum(r.cut for r in hf_hub.requests if r.filename == name) == 2
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_hub_index_entry_outside_the_repo_is_refused_naming_it(hf_hub, make_checkpoint, tmp_path, how):
+    repo = copy_of(make_checkpoint("llama", "sharded"), tmp_path / "repo")
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    entry = "../../../../../outside.safetensors" if how == "dotdot" else "/etc/outside.safetensors"
+    first_key = next(k for k, v in index["weight_map"].items() if v == "model-00002-of-00003.safetensors")
+    index["weight_map"] = {k: entry if v == "model-00002-of-00003.safetensors" else v for k, v in index["weight_map"].items()}
+    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf_hub.add_repo("org/llama", repo)
+    hf_hub.reset_counters()
+    with pytest.raises(OutsideCheckpointError) as e:
+        Causal.from_pretrained("org/llama")
+    msg = str(e.value)
+    assert f"model.safetensors.index.json maps {first_key!r}" in msg and f"to {entry!r}" in msg and "'org/llama'" in msg
+    assert not [r for r in hf_hub.requests if "outside" in r.path or "-of-" in r.path]  # no shard asked for
+
+
+def test_cached_hub_file_that_links_outside_the_repo_cache_is_refused(hf_hub, make_checkpoint, tmp_path, opened):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    Causal.from_pretrained("org/llama")
+    name = "model-00002-of-00003.safetensors"
+    (pointer,) = cache_files(tmp_path / "hf_home")[name]
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(os.path.join(local, name), outside)
+    os.remove(pointer)
+    os.symlink(outside, pointer)  # a tampered cache
+    opened.clear()
+    with pytest.raises(OutsideCheckpointError) as e:
+        Causal.from_pretrained("org/llama")
+    assert f"{name!r}: a symlink to {outside}" in str(e.value) and "models--org--llama" in str(e.value)
+    assert str(outside) not in opened
