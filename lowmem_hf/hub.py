@@ -157,7 +157,11 @@ def download(
             _check_planned(expected, path, etag)
         if offline or not verify or etag is None or not _SHA256.fullmatch(etag):
             return path  # nothing downloaded, verification off, or no published sha256 (a non-LFS file)
-        hashes.append(file_sha256(path))
+        try:
+            hashes.append(file_sha256(path))
+        except FileNotFoundError:  # another process of this machine found the same download corrupt and removed it
+            hashes.append("nothing (removed meanwhile by another process)")
+            continue
         if hashes[-1] == etag:
             return path
         _evict(path)
@@ -274,21 +278,21 @@ def _cached(repo_id: str, repo_path: str, commit: str, hub: HubArgs) -> str | No
     return path
 
 
-def _ranged(remote: RemoteFile, start: int, stop: int, hub: HubArgs) -> bytes:
-    """Bytes ``[start, stop)`` of a remote file through huggingface_hub's own session (exactly those bytes),
-    retried and checked (size, etag) as the tensor bytes of ``fetch="ranges"`` are."""
-    buffer = bytearray(stop - start)
+def _remote_header(remote: RemoteFile, hub: HubArgs):
+    """A remote safetensors file's header, read with two Range requests (its length, then the header) through
+    huggingface_hub's own session (exactly those bytes), retried and checked (size, etag) as the tensor bytes of
+    ``fetch="ranges"`` are."""
     source = HttpRanges({remote.filename: remote}, token=hub.get("token"))
-    try:
+
+    def ranged(start: int, stop: int) -> bytes:
+        buffer = bytearray(stop - start)
         source.read(remote.filename, memoryview(buffer), start)
+        return bytes(buffer)
+
+    try:
+        return safetensors.read_header_by_ranges(ranged, size=remote.size, name=remote.filename)
     finally:
         source.close()
-    return bytes(buffer)
-
-
-def _remote_header(remote: RemoteFile, hub: HubArgs):
-    """A remote safetensors file's header, read with two Range requests (its length, then the header)."""
-    return safetensors.read_header_by_ranges(lambda start, stop: _ranged(remote, start, stop, hub), size=remote.size, name=remote.filename)
 
 
 def resolve_hub(

@@ -1,8 +1,8 @@
 """Every checkpoint file is validated as strictly as its format: a damaged file is a named error, never wrong weights.
 
 safetensors headers are checked as the safetensors library checks them (and transformers, through it, refuses the
-same files); DCP metadata as DCP checks what it saves; ``.bin`` archives against their own zip directory, and read
-with ``pread`` so a file cut under the load is an error, not a SIGBUS.
+same files); ``.bin`` archives against their own zip directory, and read with ``pread`` so a file cut under the
+load is an error, not a SIGBUS.
 """
 
 import json
@@ -185,3 +185,187 @@ def test_a_remote_header_read_by_ranges_is_validated_the_same(hf_hub, make_check
     with pytest.raises(CorruptCheckpointError) as e:
         Causal.from_pretrained("org/llama", fetch="ranges")
     assert "model-00002-of-00003.safetensors: the data section breaks the safetensors rule 'data section covered'" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# .bin (torch.save zip archives)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def bin_llama(make_checkpoint, tmp_path):
+    """A private copy of the sharded ``.bin`` Llama the test may damage."""
+    dst = tmp_path / "llama-bin"
+    shutil.copytree(make_checkpoint("llama", "bin"), dst)
+    return dst
+
+
+def patch_central_directory(path, member_suffix: str, **fields) -> str:
+    """Overwrite fields (``compressed``, ``uncompressed``: sizes; ``header_offset``) of the central directory entry
+    of the member whose name ends with ``member_suffix``; returns its full name."""
+    import zipfile
+
+    raw = bytearray(path.read_bytes())
+    pos = zipfile.ZipFile(path).start_dir
+    offsets = {"compressed": 20, "uncompressed": 24, "header_offset": 42}
+    while raw[pos : pos + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack_from("<HHH", raw, pos + 28)
+        name = raw[pos + 46 : pos + 46 + n].decode()
+        if name.endswith(member_suffix):
+            for field, value in fields.items():
+                struct.pack_into("<I", raw, pos + offsets[field], value)
+            path.write_bytes(bytes(raw))
+            return name
+        pos += 46 + n + m + k
+    raise AssertionError(f"no member {member_suffix}")
+
+
+def test_zip_whose_central_directory_disagrees_with_a_member_size_is_refused(bin_llama):
+    import zipfile
+
+    shard = bin_llama / "pytorch_model-00002-of-00003.bin"
+    info = next(i for i in zipfile.ZipFile(shard).infolist() if i.filename.endswith("/data/0"))
+    name = patch_central_directory(shard, "/data/0", compressed=info.file_size - 8, uncompressed=info.file_size - 8)
+    with pytest.raises(CorruptCheckpointError) as e:
+        Causal.from_pretrained(bin_llama)
+    assert f"{shard}: zip member {name!r} breaks the rule 'member sizes': expected a data descriptor at byte " in str(e.value)
+    assert f"saying crc 0x{info.CRC:08x} and {info.file_size - 8} bytes (the central directory's)" in str(e.value)
+
+
+def test_zip_whose_central_directory_points_between_members_is_refused(bin_llama):
+    import zipfile
+
+    shard = bin_llama / "pytorch_model-00001-of-00003.bin"
+    info = next(i for i in zipfile.ZipFile(shard).infolist() if i.filename.endswith("/data/1"))
+    name = patch_central_directory(shard, "/data/1", header_offset=info.header_offset + 64)
+    with pytest.raises(CorruptCheckpointError, match=rf"zip member '{name}' breaks the rule 'local header': expected a local file header at byte"):
+        Causal.from_pretrained(bin_llama)
+
+
+def test_zip_member_smaller_than_its_storage_is_refused(tmp_path):
+    # a consistent archive whose storage member holds fewer bytes than the pickle says: torch would read past it
+    import io
+    import zipfile
+
+    import torch
+    from lowmem_hf.formats.torch_pickle import read_header
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(8, dtype=torch.float32)}, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "w.bin"
+    with zipfile.ZipFile(path, "w") as out:  # rewritten by Python's zipfile: no data descriptors, unaligned data
+        for info in source.infolist():
+            data = source.read(info)
+            out.writestr(info.filename, data[:-4] if info.filename.endswith("/data/0") else data)
+    with pytest.raises(CorruptCheckpointError, match=r"w.bin: zip member 'data/0' breaks the rule 'member sizes': expected 32 bytes \(what the pickle says "
+                                                      r"storage '0' of 'w' holds\), found 28 bytes in the zip directory"):
+        read_header(str(path), weights_only=True)
+
+
+def test_big_endian_and_strided_tensors_load_exactly(tmp_path):
+    # an archive with byteorder 'big' (values byte-swapped) and a transposed tensor: both read as their storage span
+    import io
+    import zipfile
+
+    import torch
+    from lowmem_hf.formats import StreamStats
+    from lowmem_hf.formats.torch_pickle import TorchReader, read_header
+    from lowmem_hf.types import ShardSpec
+
+    torch.manual_seed(0)
+    state = {"t": torch.randn(6, 4).t(), "w": torch.randn(5, 3), "e": torch.empty(0, 3)}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "big.bin"
+    with zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:  # every storage here is float32
+                data = b"".join(data[i : i + 4][::-1] for i in range(0, len(data), 4))
+            out.writestr(info.filename, data)
+    expected = torch.load(path, weights_only=True)
+    assert torch.equal(expected["w"], state["w"])  # torch itself reads the archive as we wrote it
+
+    infos, _, _ = read_header(str(path), weights_only=True)
+    assert all(i.offset is None for i in infos.values())  # not raw native-order values
+    for key, shard in [("t", None), ("w", None), ("w", ShardSpec("colwise", dim=0, start=1, stop=4, tp_rank=0, tp_size=2)), ("e", None)]:
+        info = infos[key]
+        dst = torch.empty(shard.local_shape(info.shape) if shard else info.shape, dtype=torch.float64)
+        reader = TorchReader({str(path): 1}, 64, True, StreamStats())
+        for job in reader.jobs(info, dst, shard):
+            job()
+        reader.done(info, dst.numel() * 4)
+        want = expected[key] if shard is None else expected[key][shard.start : shard.stop]
+        assert torch.equal(dst, want.double()), key
+
+
+_MID_LOAD = r"""
+import os, sys, torch
+from lowmem_hf import CorruptCheckpointError
+from lowmem_hf.auto import AUTO_CLASSES
+from lowmem_hf.formats import torch_pickle
+
+path, shard, how = sys.argv[1], sys.argv[2], sys.argv[3]
+original, done = torch_pickle.TorchReader.jobs, []
+
+def damage_after_planning(self, info, dst, spec=None):
+    jobs = original(self, info, dst, spec)  # the shard is open (and, before, mapped) here
+    if info.file.endswith(shard) and not done:
+        done.append(1)
+        if how == "truncate":
+            os.truncate(info.file, 4096)
+        else:  # torch.save over it: the same inode, truncated, then the new archive written
+            state = torch.load(info.file, weights_only=True)
+            torch.save({k: v + 1 for k, v in state.items()}, info.file)
+    return jobs
+
+torch_pickle.TorchReader.jobs = damage_after_planning
+try:
+    AUTO_CLASSES["LowMemAutoModelForCausalLM"].from_pretrained(path, chunk_bytes=4096)
+except CorruptCheckpointError as e:
+    print("NAMED:", e)
+    sys.exit(0)
+print("LOADED")
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+def test_bin_cut_or_rewritten_mid_load_is_a_named_error_not_a_sigbus(bin_llama, tmp_path, how):
+    # run in a child: before, torch's mapping of the shard killed the process with SIGBUS (or read a mix of files)
+    import subprocess
+    import sys
+
+    shard = "pytorch_model-00002-of-00003.bin"
+    script = tmp_path / "mid_load.py"
+    script.write_text(_MID_LOAD)
+    proc = subprocess.run([sys.executable, str(script), str(bin_llama), shard, how], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])  # -7: SIGBUS
+    message = proc.stdout
+    assert "NAMED:" in message and shard in message, message
+    if how == "truncate":
+        assert "the file ended" in message or "was cut while it loaded" in message, message
+    else:
+        assert "changed while it loaded" in message or "the file ended" in message, message
+
+
+def test_each_bin_shard_is_located_once_per_load(make_checkpoint, monkeypatch):
+    # The fixture interleaves the keys over 3 shards: every layer reads from all three, back and forth. Each shard's
+    # pickle is read once when planning and once when the reader opens it, however the reads interleave.
+    import torch
+    from lowmem_hf.formats import torch_pickle
+
+    path = make_checkpoint("llama", "bin")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    calls, real = [], torch_pickle.unpickle_locations
+    monkeypatch.setattr(torch_pickle, "unpickle_locations", lambda f, archive, *, name: calls.append(os.path.basename(name)) or real(f, archive, name=name))
+    for read_ahead_bytes in (0, 10**9):
+        calls.clear()
+        got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, read_ahead_bytes=read_ahead_bytes)
+        shards = sorted(f for f in os.listdir(path) if f.endswith(".bin"))
+        assert sorted(calls) == sorted(shards * 2)
+        for name, t in ref.state_dict().items():
+            assert torch.equal(got.state_dict()[name], t), name

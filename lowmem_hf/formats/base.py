@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from ..plan.sharding import chunk_runs, element_runs
+from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
 
-__all__ = ["Reader", "StreamStats", "Staging", "byte_view"]
+__all__ = ["Reader", "RangeReader", "StreamStats", "Staging", "SourceFile", "byte_view"]
 
 
 @dataclass
@@ -95,3 +99,174 @@ class Staging:
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (for ``preadv``)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class RangeReader(Reader):
+    """Reads tensors stored as raw row-major (little-endian) bytes at ``TensorInfo.offset`` of their file, or slices
+    of them, from any byte source (local files, HTTP ranges, the exchange): safetensors tensors, and the tensors of
+    ``torch.save`` zip archives (``torch_pickle``).
+
+    Same dtype on a CPU destination: straight into the destination's memory, no staging at all. Otherwise: through
+    one reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device),
+    converted by ``copy_`` chunk by chunk. Every read is ``read``/``read_runs`` of the source (``preadv`` for local
+    files): a file that ends early raises the source's named error, where a mapping of it would kill the process
+    with SIGBUS.
+    """
+
+    def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats, source: ByteSource):
+        self._remaining = dict(plan_counts)
+        self._source = source
+        self._staging = Staging(stats)
+        self._chunk_bytes = chunk_bytes
+        self._stats = stats
+
+    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
+        """Announce the bytes this tensor (slice) will need, so a cold file is read ahead of the workers."""
+        runs = element_runs(info.shape, shard)
+        if not runs:
+            return
+        itemsize = info.dtype.itemsize
+        first, last = runs[0][0], runs[-1][0] + runs[-1][1]
+        needed = sum(n for _, n in runs)
+        if needed * 2 >= last - first:  # dense enough that reading the gaps too costs less than it saves
+            self._source.will_need(info.file, info.offset + first * itemsize, info.offset + last * itemsize)
+
+    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
+        """Independent chunk reads that together fill ``dst`` with the tensor (or its ``shard`` slice).
+
+        Only the slice's bytes are read: a dim-0 slice is one byte range, a slice of another dim one range
+        per leading index. Safe to run on several threads at once.
+        """
+        self._stats.opened(info.file)
+        source, itemsize = self._source, info.dtype.itemsize
+        runs = element_runs(info.shape, shard)
+        if source.band_reads and len(runs) > 1 and max(n for _, n in runs) * itemsize <= self._chunk_bytes:
+            return self._band_jobs(info, dst, runs)
+        if source.gap_bytes_allowed and len(runs) > 1:
+            jobs = self._strided_jobs(info, dst, runs)
+            if jobs is not None:
+                return jobs
+        chunks = chunk_runs(runs, itemsize, self._chunk_bytes)
+        if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
+            view = byte_view(dst)
+
+            def direct(chunk: list[tuple[int, int, int]]) -> None:
+                source.read_runs(info.file, [(view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize) for src, at, n in chunk])
+
+            return [functools.partial(direct, c) for c in chunks]
+
+        flat = dst.view(-1)
+        pinned = dst.device.type == "cuda"
+
+        def staged(chunk: list[tuple[int, int, int]]) -> None:
+            total = sum(n for _, _, n in chunk)
+            buf = self._staging.get(total * itemsize, pinned=pinned)
+            bytes_view, pos, parts = byte_view(buf), 0, []
+            for src, _, n in chunk:
+                parts.append((bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize))
+                pos += n * itemsize
+            source.read_runs(info.file, parts)
+            first = chunk[0][1]  # the runs of a chunk are consecutive in the destination
+            flat[first : first + total].copy_(buf.view(info.dtype))
+
+        return [functools.partial(staged, c) for c in chunks]
+
+    def _strided_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]] | None:
+        """A source that reads through gaps (local files in the page cache), a slice that is equal runs at a fixed stride (a dim-1 slice: one run
+        per row): bands of whole rows, each one ``preadv`` into staging and one strided ``copy_`` (converting)
+        into ``dst``. None where that does not apply (irregular runs, gaps over ``gap_bytes``, a row over
+        ``chunk_bytes``). Per-run reads cost a syscall and some Python per row, and with two ranks on two cores
+        that Python holds the GIL against the thread assigning; this path has none per row."""
+        first, n = runs[0]
+        stride = runs[1][0] - first
+        itemsize = info.dtype.itemsize
+        if (stride - n) * itemsize > self._source.gap_bytes_allowed or stride * itemsize > self._chunk_bytes or not dst.is_contiguous():
+            return None
+        if any(src != first + i * stride or m != n for i, (src, m) in enumerate(runs)):
+            return None
+        rows, per_band = len(runs), max(1, self._chunk_bytes // (stride * itemsize))
+        flat, pinned, source = dst.view(-1), dst.device.type == "cuda", self._source
+
+        def band(r0: int, r1: int) -> None:
+            span = (r1 - r0 - 1) * stride + n  # through the last row's run, not its gap
+            buf = self._staging.get(span * itemsize, pinned=pinned)
+            source.read(info.file, byte_view(buf), info.offset + (first + r0 * stride) * itemsize)
+            stored = buf.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
+            flat[r0 * n : r1 * n].view(r1 - r0, n).copy_(stored)
+            source.count_gap((r1 - r0 - 1) * (stride - n) * itemsize)
+
+        return [functools.partial(band, r, min(r + per_band, rows)) for r in range(0, rows, per_band)]
+
+    def _band_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]]:
+        """``band_reads`` sources (HTTP): a slice of several runs (a dim-1 slice: one per row) is fetched as bands
+        of whole rows, one request per band of at most ``chunk_bytes`` (or one run), and only its runs are kept.
+        Per-row requests would cost one round trip per row; the bytes between the runs are the price, counted in
+        ``band_extra_bytes``."""
+        itemsize, flat, limit = info.dtype.itemsize, dst.view(-1), max(1, self._chunk_bytes // info.dtype.itemsize)
+        bands: list[list[tuple[int, int, int]]] = []
+        at = 0
+        for src, n in runs:
+            if bands and src + n - bands[-1][0][0] <= limit:
+                bands[-1].append((src, at, n))
+            else:
+                bands.append([(src, at, n)])
+            at += n
+
+        def band(parts: list[tuple[int, int, int]]) -> None:
+            first, end = parts[0][0], parts[-1][0] + parts[-1][2]
+            buf = self._staging.get((end - first) * itemsize, pinned=dst.device.type == "cuda")
+            self._source.read(info.file, byte_view(buf), info.offset + first * itemsize)
+            stored = buf.view(info.dtype)
+            for src, at, n in parts:
+                flat[at : at + n].copy_(stored[src - first : src - first + n])
+
+        self._stats.band_extra_bytes += sum((b[-1][0] + b[-1][2] - b[0][0]) * itemsize for b in bands) - dst.numel() * itemsize
+        return [functools.partial(band, b) for b in bands]
+
+    def done(self, info: TensorInfo, nbytes: int) -> None:
+        """Account one finished tensor (``nbytes`` read); after the file's last one, ``finished`` and release it."""
+        self._stats.read(nbytes)
+        self._remaining[info.file] -= 1
+        if self._remaining[info.file] == 0:
+            try:
+                self.finished(info.file)
+            finally:
+                self._source.release(info.file)
+
+    def finished(self, file: str) -> None:
+        """Every planned read of ``file`` is done; its source still holds it (a format may check it here)."""
+
+
+class SourceFile(io.RawIOBase):
+    """A read-only, seekable file over the window ``[offset, offset + length)`` of ``file`` in a byte source: what
+    ``zipfile`` and the unpicklers need to look inside an archive through the same descriptor the tensor reads use
+    (DCP's own view cannot ``read()`` to the end, which ``zipfile`` needs). ``counter`` is told every byte read."""
+
+    def __init__(self, source: ByteSource, file: str, offset: int, length: int, counter: Callable[[int], None] | None = None):
+        super().__init__()
+        self._source, self._file = source, file
+        self._offset, self._length, self._pos, self._count = offset, length, 0, counter
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._source.read(self._file, view[:n], self._offset + self._pos)
+        self._pos += n
+        if self._count is not None:
+            self._count(n)
+        return n

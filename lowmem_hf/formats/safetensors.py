@@ -1,8 +1,9 @@
 """safetensors: an 8-byte little-endian header length, a JSON header, then every tensor's raw bytes.
 
 What only this format knows: parsing and checking the header (``read_header``; ``read_header_by_ranges`` for a
-file read by byte ranges, e.g. over HTTP), reading a tensor or a slice of it by byte ranges from any byte source
-(``SafetensorsReader``), and leaving tensors as views of the file (``mmap=True``, ``check_mmap``).
+file read by byte ranges, e.g. over HTTP), validated as strictly as the safetensors library validates it, and
+leaving tensors as views of the file (``mmap=True``, ``check_mmap``). Reading a tensor or a slice of it by byte
+ranges from any byte source is ``base.RangeReader`` (``SafetensorsReader``), which ``.bin`` archives share.
 
 Reading: ``preadv`` of the slice's byte ranges (or HTTP ranges). Same dtype on CPU: straight into the
 destination's memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` per
@@ -16,7 +17,6 @@ copy-on-write view of its file, as in transformers (``check_mmap``).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import struct
@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..plan.sharding import chunk_runs, element_runs
+from ..plan.sharding import element_runs
 from ..sources import ByteSource
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
-from .base import Reader, Staging, StreamStats, byte_view
+from .base import RangeReader, Reader, StreamStats
 
 __all__ = [
     "DTYPES", "header_length", "parse_header", "read_header", "read_header_by_ranges", "SafetensorsReader", "open_reader",
@@ -251,15 +251,12 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
     return infos
 
 
-class SafetensorsReader(Reader):
-    """Reads safetensors tensors (or slices of them) from a byte source: local files, HTTP ranges, the exchange."""
+class SafetensorsReader(RangeReader):
+    """Reads safetensors tensors (or slices of them) from a byte source: local files, HTTP ranges, the exchange
+    (``RangeReader``); with ``mmap=True``, leaves them as views of their local files instead."""
 
     def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats, source: ByteSource, *, mmap: bool = False):
-        self._remaining = dict(plan_counts)
-        self._source = source
-        self._staging = Staging(stats)
-        self._chunk_bytes = chunk_bytes
-        self._stats = stats
+        super().__init__(plan_counts, chunk_bytes, stats, source)
         self._mmap = mmap
 
     def view(self, info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], shard: ShardSpec | None, device) -> torch.Tensor | None:
@@ -281,116 +278,6 @@ class SafetensorsReader(Reader):
         t = torch.frombuffer(mm, dtype=info.dtype, count=n, offset=info.offset + src * itemsize)
         self._stats.mapped_bytes += n * itemsize
         return t.view(shape)
-
-    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
-        """Announce the bytes this tensor (slice) will need, so a cold file is read ahead of the workers."""
-        runs = element_runs(info.shape, shard)
-        if not runs:
-            return
-        itemsize = info.dtype.itemsize
-        first, last = runs[0][0], runs[-1][0] + runs[-1][1]
-        needed = sum(n for _, n in runs)
-        if needed * 2 >= last - first:  # dense enough that reading the gaps too costs less than it saves
-            self._source.will_need(info.file, info.offset + first * itemsize, info.offset + last * itemsize)
-
-    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
-        """Independent chunk reads that together fill ``dst`` with the tensor (or its ``shard`` slice).
-
-        Only the slice's bytes are read: a dim-0 slice is one byte range, a slice of another dim one range
-        per leading index. Safe to run on several threads at once.
-        """
-        self._stats.opened(info.file)
-        source, itemsize = self._source, info.dtype.itemsize
-        runs = element_runs(info.shape, shard)
-        if source.band_reads and len(runs) > 1 and max(n for _, n in runs) * itemsize <= self._chunk_bytes:
-            return self._band_jobs(info, dst, runs)
-        if source.gap_bytes_allowed and len(runs) > 1:
-            jobs = self._strided_jobs(info, dst, runs)
-            if jobs is not None:
-                return jobs
-        chunks = chunk_runs(runs, itemsize, self._chunk_bytes)
-        if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
-            view = byte_view(dst)
-
-            def direct(chunk: list[tuple[int, int, int]]) -> None:
-                source.read_runs(info.file, [(view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize) for src, at, n in chunk])
-
-            return [functools.partial(direct, c) for c in chunks]
-
-        flat = dst.view(-1)
-        pinned = dst.device.type == "cuda"
-
-        def staged(chunk: list[tuple[int, int, int]]) -> None:
-            total = sum(n for _, _, n in chunk)
-            buf = self._staging.get(total * itemsize, pinned=pinned)
-            bytes_view, pos, parts = byte_view(buf), 0, []
-            for src, _, n in chunk:
-                parts.append((bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize))
-                pos += n * itemsize
-            source.read_runs(info.file, parts)
-            first = chunk[0][1]  # the runs of a chunk are consecutive in the destination
-            flat[first : first + total].copy_(buf.view(info.dtype))
-
-        return [functools.partial(staged, c) for c in chunks]
-
-    def _strided_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]] | None:
-        """A source that reads through gaps (local files in the page cache), a slice that is equal runs at a fixed stride (a dim-1 slice: one run
-        per row): bands of whole rows, each one ``preadv`` into staging and one strided ``copy_`` (converting)
-        into ``dst``. None where that does not apply (irregular runs, gaps over ``gap_bytes``, a row over
-        ``chunk_bytes``). Per-run reads cost a syscall and some Python per row, and with two ranks on two cores
-        that Python holds the GIL against the thread assigning; this path has none per row."""
-        first, n = runs[0]
-        stride = runs[1][0] - first
-        itemsize = info.dtype.itemsize
-        if (stride - n) * itemsize > self._source.gap_bytes_allowed or stride * itemsize > self._chunk_bytes or not dst.is_contiguous():
-            return None
-        if any(src != first + i * stride or m != n for i, (src, m) in enumerate(runs)):
-            return None
-        rows, per_band = len(runs), max(1, self._chunk_bytes // (stride * itemsize))
-        flat, pinned, source = dst.view(-1), dst.device.type == "cuda", self._source
-
-        def band(r0: int, r1: int) -> None:
-            span = (r1 - r0 - 1) * stride + n  # through the last row's run, not its gap
-            buf = self._staging.get(span * itemsize, pinned=pinned)
-            source.read(info.file, byte_view(buf), info.offset + (first + r0 * stride) * itemsize)
-            stored = buf.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
-            flat[r0 * n : r1 * n].view(r1 - r0, n).copy_(stored)
-            source.count_gap((r1 - r0 - 1) * (stride - n) * itemsize)
-
-        return [functools.partial(band, r, min(r + per_band, rows)) for r in range(0, rows, per_band)]
-
-    def _band_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]]:
-        """``band_reads`` sources (HTTP): a slice of several runs (a dim-1 slice: one per row) is fetched as bands
-        of whole rows, one request per band of at most ``chunk_bytes`` (or one run), and only its runs are kept.
-        Per-row requests would cost one round trip per row; the bytes between the runs are the price, counted in
-        ``band_extra_bytes``."""
-        itemsize, flat, limit = info.dtype.itemsize, dst.view(-1), max(1, self._chunk_bytes // info.dtype.itemsize)
-        bands: list[list[tuple[int, int, int]]] = []
-        at = 0
-        for src, n in runs:
-            if bands and src + n - bands[-1][0][0] <= limit:
-                bands[-1].append((src, at, n))
-            else:
-                bands.append([(src, at, n)])
-            at += n
-
-        def band(parts: list[tuple[int, int, int]]) -> None:
-            first, end = parts[0][0], parts[-1][0] + parts[-1][2]
-            buf = self._staging.get((end - first) * itemsize, pinned=dst.device.type == "cuda")
-            self._source.read(info.file, byte_view(buf), info.offset + first * itemsize)
-            stored = buf.view(info.dtype)
-            for src, at, n in parts:
-                flat[at : at + n].copy_(stored[src - first : src - first + n])
-
-        self._stats.band_extra_bytes += sum((b[-1][0] + b[-1][2] - b[0][0]) * itemsize for b in bands) - dst.numel() * itemsize
-        return [functools.partial(band, b) for b in bands]
-
-    def done(self, info: TensorInfo, nbytes: int) -> None:
-        """Account one finished tensor (``nbytes`` read); release its file after the last one."""
-        self._stats.read(nbytes)
-        self._remaining[info.file] -= 1
-        if self._remaining[info.file] == 0:
-            self._source.release(info.file)
 
 
 def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:

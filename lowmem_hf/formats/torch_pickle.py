@@ -1,46 +1,366 @@
 """torch pickles (``pytorch_model.bin``): ``torch.save`` zip archives since torch 1.6, legacy pickle streams before.
 
 What only this format knows: learning shapes and dtypes without the data (``read_header``: a zip archive is
-unpickled onto ``meta``), and reading the tensors through torch's own loader (``TorchReader``).
+unpickled onto ``meta``), where each tensor's bytes are in the file, checked against the archive's own directory
+(``read_archive``, ``read_storages``), and reading them (``TorchReader``).
 
-- zip: ``torch.load(mmap=True, weights_only=...)`` once per shard (kept mapped until its last planned tensor is
-  read), copied chunk by chunk; each chunk's pages are dropped from the mapping right after (``madvise``), so the
-  resident file-backed memory stays a chunk per reader thread, not a shard. From a cold disk each tensor's pages
-  are announced (``madvise(WILLNEED)``) as it enters the read-ahead window (``bench_usable.py``, 2 GB fp32 ->
-  bf16, one process, cold: 1.07x transformers against 1.20x and 1.35x without).
+- zip: every storage is one uncompressed member ``<archive>/data/<key>``; a row-major tensor is one byte range of
+  the file, read with ``preadv`` like a safetensors tensor (``base.RangeReader``: slices, staging, read-ahead
+  hints). Not through ``torch.load(mmap=True)``: a file truncated or rewritten under a mapping kills the process
+  with SIGBUS when a page is touched, where ``preadv`` returns short and the error names the file. The archive is
+  read again through the reader's own descriptor when its first tensor is read (every tensor must still be where
+  the plan found it) and its directory once more after its last (a file rewritten in between is an error, not a
+  mix of two checkpoints). A tensor stored with other strides or byte order is read as its storage span and
+  copied strided.
 - legacy pickle: has no random access; the shard is loaded whole (the report says what it cost).
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import io
+import math
 import os
+import pickle
+import struct
+import sys
 import zipfile
 from collections import Counter
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..plan.sharding import chunk_spans, element_runs, slice_tensor
+from ..plan.sharding import element_runs, slice_tensor
 from ..sources import ByteSource
-from ..sources.local import LocalFiles, release_pages, will_need_pages
+from ..sources.local import LocalFiles
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
-from .base import Reader, StreamStats
+from .base import RangeReader, Reader, SourceFile, StreamStats, byte_view
 
-__all__ = ["read_header", "TorchReader", "open_reader", "staging_bytes"]
+__all__ = [
+    "ZipMember", "Archive", "StoredTensor", "read_archive", "unpickle_locations", "check_in_storage", "read_storages",
+    "byte_order", "read_header", "TorchReader", "open_reader", "staging_bytes",
+]
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # signature, version, flags, method, time, date, crc, sizes, name/extra lengths
+_LOCAL_SIGNATURE = 0x04034B50
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_HAS_DESCRIPTOR = 0x08  # general purpose flag bit 3: crc and sizes follow the data (torch.save sets it)
+_UTF8_NAMES = 0x800
+_ZIP64_SIZE = 0xFFFFFFFF
+_RESAVE = "The file is corrupt: download or copy it again, or re-save it with torch.save."
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The archive
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZipMember:
+    """One member of a ``torch.save`` archive, where its central directory, local header and data descriptor agree."""
+
+    name: str
+    """Its name inside the archive's top folder (``data/0``, ``data.pkl``, ``byteorder``)."""
+    data_offset: int
+    """Absolute byte offset of its first data byte in the file (after the local header)."""
+    size: int
+    """Its bytes (stored uncompressed)."""
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A ``torch.save`` zip archive's members, checked against each other (no tensor byte read)."""
+
+    members: Mapping[str, ZipMember]
+    """By name inside the archive's top folder."""
+    directory: tuple[int, int]
+    """``[start, end)``: the central directory through the end of the file (what changes when the file is rewritten:
+    it holds every member's CRC and size)."""
+    bytes_read: int
+
+
+def _member_error(name: str, member: str, rule: str, expected: str, found: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{name}: zip member {member!r} breaks the rule {rule!r}: expected {expected}, found {found}. {_RESAVE}")
+
+
+def read_archive(f: BinaryIO, *, name: str) -> Archive:
+    """The members of the zip archive ``f`` (a seekable binary file), checked the way the zip format allows:
+
+    - the central directory parses (``zipfile``), every member name once;
+    - ``local header``: at each member's offset a local file header naming the same member;
+    - ``stored``: every member uncompressed, as ``torch.save`` writes them (its bytes are read in place);
+    - ``member sizes``: the sizes (and CRC) the central directory gives equal the local header's, or the data
+      descriptor's that ``torch.save`` writes right after the data;
+    - ``no overlap``: members lie one after the other, before the central directory.
+
+    Raises:
+        CorruptCheckpointError: naming the member, the rule, what was expected and what was found.
+    """
+    try:
+        archive = zipfile.ZipFile(f)
+        infos = archive.infolist()
+        directory_start = archive.start_dir
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as e:
+        raise CorruptCheckpointError(f"{name}: its zip directory is unreadable ({type(e).__name__}: {e}). {_RESAVE}") from e
+    size = f.seek(0, io.SEEK_END)
+    read = size - directory_start
+    members: dict[str, ZipMember] = {}
+    spans: list[tuple[int, int, str]] = []
+    for info in infos:
+        member = info.filename.partition("/")[2]
+        if member in members:
+            raise _member_error(name, info.filename, "unique names", "each member once", "it twice in the central directory")
+        f.seek(info.header_offset)
+        head = f.read(_LOCAL_HEADER.size)
+        read += len(head)
+        if len(head) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(head)[0] != _LOCAL_SIGNATURE:
+            raise _member_error(
+                name, info.filename, "local header", f"a local file header at byte {info.header_offset} (the central directory's)",
+                f"{head[:4]!r}",
+            )
+        _, _, flags, method, _, _, crc, compressed, uncompressed, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        local_name = f.read(name_len)
+        read += name_len
+        if local_name != info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8_NAMES else "cp437"):
+            raise _member_error(name, info.filename, "local header", "the same name in its local header", repr(local_name[:100]))
+        if method != zipfile.ZIP_STORED or info.compress_type != zipfile.ZIP_STORED:
+            raise _member_error(name, info.filename, "stored", "uncompressed (method 0)", f"method {info.compress_type}/{method}")
+        if info.compress_size != info.file_size:
+            raise _member_error(
+                name, info.filename, "member sizes", f"equal stored and original sizes for an uncompressed member",
+                f"{info.compress_size} and {info.file_size} bytes in the central directory",
+            )
+        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        end = data_offset + info.file_size
+        if flags & _HAS_DESCRIPTOR:
+            f.seek(end)
+            tail = f.read(24)
+            read += len(tail)
+            described = _descriptor(tail, info.CRC, info.file_size)
+            if described is None:
+                raise _member_error(
+                    name, info.filename, "member sizes",
+                    f"a data descriptor at byte {end} saying crc {info.CRC:#010x} and {info.file_size} bytes (the central directory's)",
+                    f"{tail[:16].hex()}: the central directory disagrees with the member's own sizes",
+                )
+            end += described
+        elif (compressed, uncompressed, crc) != (info.compress_size, info.file_size, info.CRC) and _ZIP64_SIZE not in (compressed, uncompressed):
+            raise _member_error(
+                name, info.filename, "member sizes", f"{info.file_size} bytes, crc {info.CRC:#010x} (the central directory's)",
+                f"{uncompressed} bytes, crc {crc:#010x} in its local header",
+            )
+        members[member] = ZipMember(member, data_offset, info.file_size)
+        spans.append((info.header_offset, end, info.filename))
+    spans.sort()
+    for (_, prev_end, prev), (start, end, this) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise _member_error(name, this, "no overlap", f"to start at or after byte {prev_end}, where {prev!r} ends", f"byte {start}")
+    if spans and spans[-1][1] > directory_start:
+        raise _member_error(
+            name, spans[-1][2], "no overlap", f"to end before the central directory at byte {directory_start}", f"byte {spans[-1][1]}"
+        )
+    return Archive(members, (directory_start, size), read)
+
+
+def _descriptor(tail: bytes, crc: int, size: int) -> int | None:
+    """Bytes of the data descriptor at the start of ``tail`` if it says ``crc`` and ``size`` (32- or 64-bit sizes,
+    with or without its signature, as writers vary), else None."""
+    skip = 4 if tail[:4] == _DESCRIPTOR_SIGNATURE else 0
+    for fmt in ("<III", "<IQQ"):
+        width = struct.calcsize(fmt)
+        if len(tail) >= skip + width and struct.unpack_from(fmt, tail, skip) == (crc, size, size):
+            return skip + width
+    return None
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a pickled tensor's values are: in storage ``storage`` (member ``data/<storage>``), from element
+    ``storage_offset``, with ``stride``."""
+
+    storage: str
+    storage_nbytes: int
+    """The storage's bytes, as the pickle records them (its member must hold exactly these)."""
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def row_major(self) -> bool:
+        expected = tuple(math.prod(self.shape[d + 1 :]) for d in range(len(self.shape)))
+        return all(st == e for st, e, n in zip(self.stride, expected, self.shape) if n > 1)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``[first, last]`` elements of the storage the tensor touches (``(offset, offset - 1)`` when empty)."""
+        if math.prod(self.shape) == 0:
+            return self.storage_offset, self.storage_offset - 1
+        return self.storage_offset, self.storage_offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+
+
+# The storage classes torch.save names in a pickle, for the dtypes it had before torch.dtype was pickled itself
+# (torch/storage.py ``_dtype_to_storage_type_map``; quantized ones are not plain tensors).
+_LEGACY_STORAGES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16, "LongStorage": torch.int64,
+    "IntStorage": torch.int32, "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "BFloat16Storage": torch.bfloat16, "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+
+
+def _rebuild_v2(storage, storage_offset, size, stride, *rest) -> StoredTensor:
+    key, dtype, nbytes = storage
+    return StoredTensor(key, nbytes, dtype, storage_offset, tuple(size), tuple(stride))
+
+
+def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, *rest) -> StoredTensor:
+    key, _, nbytes = storage  # an untyped (byte) storage; the tensor's dtype is pickled itself
+    return StoredTensor(key, nbytes, dtype, storage_offset, tuple(size), tuple(stride))
+
+
+class _StoragePickle(pickle.Unpickler):
+    """Reads a ``torch.save`` ``data.pkl`` into its structure with a ``StoredTensor`` for each tensor: only the
+    names a state dict of plain tensors and parameters uses are allowed (anything else raises, as ``weights_only``
+    would). torch's own loader keeps these locations to itself."""
+
+    _GLOBALS = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+        ("torch._utils", "_rebuild_parameter"): lambda data, *rest: data,
+        ("torch._utils", "_rebuild_parameter_with_state"): lambda data, *rest: data,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("torch.storage", "UntypedStorage"): torch.uint8,
+        ("torch", "UntypedStorage"): torch.uint8,
+    }
+
+    def find_class(self, module: str, name: str):
+        found = self._GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and name in _LEGACY_STORAGES:
+            return _LEGACY_STORAGES[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a state dict of plain tensors")
+
+    def persistent_load(self, pid):
+        _, dtype, key, _, numel = pid  # ('storage', storage type (here its dtype), key, location, numel)
+        return str(key), dtype, int(numel) * dtype.itemsize
+
+
+def unpickle_locations(f: BinaryIO, archive: Archive, *, name: str) -> Any:
+    """The object pickled in ``archive``'s ``data.pkl`` (``f`` is the archive's file), with a ``StoredTensor`` for
+    each tensor, or None where it holds more than plain tensors and parameters (tensor subclasses, other objects):
+    torch's own loader is then the only reader of it."""
+    pkl = archive.members.get("data.pkl")
+    if pkl is None:
+        raise CorruptCheckpointError(f"{name}: the archive has no data.pkl member. {_RESAVE}")
+    f.seek(pkl.data_offset)
+    try:
+        return _StoragePickle(io.BytesIO(f.read(pkl.size))).load()
+    except CorruptCheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - anything this restricted reader does not know goes to torch's loader
+        return None
+
+
+def check_in_storage(key: str, t: StoredTensor, archive: Archive, *, name: str) -> ZipMember:
+    """``t``'s storage member, checked: it holds exactly the storage's bytes, and the tensor lies inside it.
+
+    Raises:
+        CorruptCheckpointError: the pickle and the zip directory disagree.
+    """
+    member = archive.members.get(f"data/{t.storage}")
+    if member is None:
+        raise CorruptCheckpointError(
+            f"{name}: tensor {key!r} is stored in storage {t.storage!r}, but the archive has no member data/{t.storage}. {_RESAVE}"
+        )
+    if member.size != t.storage_nbytes:
+        raise _member_error(
+            name, f"data/{t.storage}", "member sizes",
+            f"{t.storage_nbytes} bytes (what the pickle says storage {t.storage!r} of {key!r} holds)", f"{member.size} bytes in the zip directory",
+        )
+    first, last = t.span
+    itemsize = t.dtype.itemsize
+    if first < 0 or (last + 1) * itemsize > t.storage_nbytes or len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
+        raise CorruptCheckpointError(
+            f"{name}: tensor {key!r} ({t.dtype}, shape {list(t.shape)}, stride {list(t.stride)}, offset {t.storage_offset}) "
+            f"reaches bytes [{first * itemsize}, {(last + 1) * itemsize}) of storage {t.storage!r}, which holds {t.storage_nbytes}. {_RESAVE}"
+        )
+    return member
+
+
+def read_storages(f: BinaryIO, archive: Archive, *, name: str) -> dict[str, StoredTensor] | None:
+    """Where each tensor of the state dict pickled in ``archive`` is (``f`` is the archive's file), each checked
+    against its storage member (``check_in_storage``); None where the pickle holds more than plain tensors.
+
+    Raises:
+        CorruptCheckpointError: a tensor and its storage member disagree.
+    """
+    state = unpickle_locations(f, archive, name=name)
+    if not isinstance(state, dict) or not all(isinstance(v, StoredTensor) for v in state.values()):
+        return None
+    for key, t in state.items():
+        check_in_storage(key, t, archive, name=name)
+    return state
+
+
+def byte_order(f: BinaryIO, archive: Archive) -> str:
+    """The byte order the archive's values are stored in (its ``byteorder`` member)."""
+    member = archive.members.get("byteorder")
+    if member is None:
+        return "little"  # torch's default for archives written before the record existed
+    f.seek(member.data_offset)
+    return f.read(member.size).decode("ascii", "replace")
+
+
+def _raw_offset(t: StoredTensor, archive: Archive, byte_order: str) -> int | None:
+    """The tensor's first byte in the file when its bytes are raw row-major native-order values, else None."""
+    if not t.row_major or byte_order != sys.byteorder:
+        return None
+    return archive.members[f"data/{t.storage}"].data_offset + t.storage_offset * t.dtype.itemsize
 
 
 def read_header(path: str, *, weights_only: bool) -> tuple[dict[str, TensorInfo], int, str]:
     """Shapes and dtypes of a ``torch.save`` file without reading tensor data.
 
-    A zip archive is unpickled onto ``meta`` (torch reads only ``data.pkl``); a legacy pickle
-    stream interleaves data and pickle, so learning its shapes reads the whole file once.
+    A zip archive's directory is checked (``read_archive``) and its pickle read for where each tensor is
+    (``read_storages``; a pickle of plain tensors needs nothing more, and holds nothing ``weights_only`` would
+    refuse); a pickle of anything else is unpickled by torch onto ``meta``. A legacy pickle stream interleaves data
+    and pickle, so learning its shapes reads the whole file once.
 
     Returns:
-        ``({key: TensorInfo}, bytes_read, CheckpointFormat)``.
+        ``({key: TensorInfo}, bytes_read, CheckpointFormat)``; a row-major zip tensor's ``TensorInfo.offset`` is
+        where its bytes start in the file.
+
+    Raises:
+        CorruptCheckpointError: torch cannot read it, it is not a state dict of tensors, or its archive is damaged.
     """
-    is_zip = zipfile.is_zipfile(path)
+    if not zipfile.is_zipfile(path):
+        state = _load_meta(path, weights_only=weights_only)
+        infos = {k: TensorInfo(key=k, file=path, dtype=v.dtype, shape=tuple(v.shape), offset=None) for k, v in state.items()}
+        return infos, os.path.getsize(path), CheckpointFormat.TORCH_LEGACY
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):  # the local headers are spread over the file: read only their pages
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        archive = read_archive(f, name=path)
+        stored = read_storages(f, archive, name=path)
+        order = byte_order(f, archive)
+    nbytes = archive.bytes_read + archive.members["data.pkl"].size
+    if stored is None:  # more than plain tensors: torch's loader decides (weights_only), and reads it whole later
+        state = _load_meta(path, weights_only=weights_only)
+        infos = {k: TensorInfo(key=k, file=path, dtype=v.dtype, shape=tuple(v.shape), offset=None) for k, v in state.items()}
+        return infos, nbytes, CheckpointFormat.TORCH_ZIP
+    infos = {
+        key: TensorInfo(key=key, file=path, dtype=t.dtype, shape=t.shape, offset=_raw_offset(t, archive, order))
+        for key, t in stored.items()
+    }
+    return infos, nbytes, CheckpointFormat.TORCH_ZIP
+
+
+def _load_meta(path: str, *, weights_only: bool) -> dict[str, torch.Tensor]:
+    """``torch.load`` onto ``meta``: a state dict of tensors, or the named error."""
     try:
         state = torch.load(path, map_location="meta", weights_only=weights_only, mmap=False)
     except Exception as e:  # torch raises a zoo of types here (UnpicklingError, RuntimeError, EOFError...)
@@ -55,97 +375,140 @@ def read_header(path: str, *, weights_only: bool) -> tuple[dict[str, TensorInfo]
             f"{path} holds a {type(state).__name__}, not a state dict of tensors; save weights with "
             "torch.save(model.state_dict(), path)."
         )
-    if is_zip:
-        with zipfile.ZipFile(path) as z:
-            pkl = next((i for i in z.infolist() if i.filename.endswith("data.pkl")), None)
-            nbytes = pkl.file_size if pkl is not None else 0
-    else:
-        nbytes = os.path.getsize(path)
-    infos = {
-        k: TensorInfo(key=k, file=path, dtype=v.dtype, shape=tuple(v.shape), offset=None) for k, v in state.items()
-    }
-    return infos, nbytes, CheckpointFormat.TORCH_ZIP if is_zip else CheckpointFormat.TORCH_LEGACY
+    return state
 
 
-class TorchReader(Reader):
-    """Reads ``torch.save`` shards: zip archives mmapped (each kept until its last planned tensor is read), legacy
-    pickles loaded whole, one at a time. torch's own loader reads them, so they must be local files (``source``;
-    None: each ``TensorInfo.file`` is a local path)."""
+# ---------------------------------------------------------------------------------------------------------
+# Read
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Opened:
+    """A shard as its reader found it when it read the shard's first tensor."""
+
+    stored: Mapping[str, StoredTensor] | None = None
+    """zip: where each tensor is."""
+    archive: Archive | None = None
+    byte_order: str = "little"
+    directory: bytes = b""
+    """zip: the central directory's bytes, compared again after the last read."""
+    whole: Mapping[str, torch.Tensor] | None = None
+    """A legacy pickle (or a zip pickle of more than plain tensors): the shard loaded whole by torch."""
+
+
+class TorchReader(RangeReader):
+    """Reads ``torch.save`` shards from local files (``source``; None: each ``TensorInfo.file`` is a local path):
+    zip archives by byte ranges (``RangeReader``), legacy pickles loaded whole, one at a time."""
 
     def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, weights_only: bool, stats: StreamStats, source: LocalFiles | None = None):
-        self._source = source if source is not None else LocalFiles()
-        self._remaining = dict(plan_counts)
-        self._chunk_bytes = chunk_bytes
+        super().__init__(plan_counts, chunk_bytes, stats, source if source is not None else LocalFiles())
         self._weights_only = weights_only
-        self._stats = stats
-        # Open shards by file. A mapped shard costs no memory beyond the pages being copied (each chunk's are
-        # dropped after), so read-ahead into the next shard keeps the current one instead of unpickling it again
-        # when a submodule's tensors come from both (it did: 7 torch.load calls for 5 shards of the 2 GB Llama).
-        self._states: dict[str, dict[str, torch.Tensor]] = {}
-        # Which of them are mappings (zip) rather than whole pickles in memory, per file: a checkpoint may mix the
-        # two, and dropping pages (``release_pages``) of a legacy shard's heap memory would destroy it.
-        self._mapped: set[str] = set()
+        self._opened: dict[str, _Opened] = {}
 
-    def _load(self, file: str) -> dict[str, torch.Tensor]:
-        state = self._states.get(file)
-        if state is None:
-            path = self._source.path(file)
-            mapped = zipfile.is_zipfile(path)
-            if mapped:
-                self._mapped.add(file)
-            else:
-                self._states.clear()  # a legacy pickle is the whole shard in memory: never two at once
-            state = self._states[file] = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=mapped)
-            self._stats.opened(file)
-            if not mapped:
-                size = os.path.getsize(path)
-                self._stats.staged(size)
-                self._stats.notes.append(
-                    f"{path} is a legacy (non-zip) torch pickle: it was loaded whole, costing {size} bytes "
-                    "of host memory at once. Re-save it with torch.save (torch>=1.6) or as safetensors to stream it."
-                )
-        return state
+    def _open(self, file: str) -> _Opened:
+        opened = self._opened.get(file)
+        if opened is not None:
+            return opened
+        path = self._source.path(file)
+        size = os.path.getsize(path)
+        if zipfile.is_zipfile(path):
+            f = SourceFile(self._source, file, 0, size)  # the descriptor the tensor reads use, not the path again
+            archive = read_archive(f, name=file)
+            stored = read_storages(f, archive, name=file)
+            if stored is not None:
+                order = byte_order(f, archive)
+                start, end = archive.directory
+                f.seek(start)
+                opened = _Opened(stored=stored, archive=archive, byte_order=order, directory=f.read(end - start))
+        if opened is None:
+            opened = self._load_whole(file, path)
+        self._opened[file] = opened
+        self._stats.opened(file)
+        return opened
+
+    def _load_whole(self, file: str, path: str) -> _Opened:
+        for other in [f for f, o in self._opened.items() if o.whole is not None]:
+            del self._opened[other]  # a whole shard in memory: never two at once
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=self._weights_only, mmap=False)
+        except Exception as e:  # noqa: BLE001 - torch's zoo of types, as in read_header
+            raise CorruptCheckpointError(f"{path}: torch.load could not read it while loading ({type(e).__name__}: {e}). "
+                                         "It changed since the load was planned, or is corrupt: copy it again.") from e
+        size = os.path.getsize(path)
+        self._stats.staged(size)
+        self._stats.notes.append(
+            f"{path} is a legacy (non-zip) torch pickle: it was loaded whole, costing {size} bytes "
+            "of host memory at once. Re-save it with torch.save (torch>=1.6) or as safetensors to stream it."
+            if not zipfile.is_zipfile(path) else
+            f"{path} pickles more than plain tensors: it was loaded whole by torch.load, costing {size} bytes of host "
+            "memory at once. Re-save model.state_dict() with torch.save or as safetensors to stream it."
+        )
+        return _Opened(whole=state)
+
+    def _located(self, info: TensorInfo) -> tuple[_Opened, StoredTensor | None]:
+        """The shard as opened and where ``info``'s tensor is in it, checked against the plan."""
+        opened = self._open(info.file)
+        found = opened.whole.get(info.key) if opened.whole is not None else opened.stored.get(info.key)
+        if found is None or found.dtype != info.dtype or tuple(found.shape) != info.shape:
+            now = "no longer holds it" if found is None else f"now holds {found.dtype} {list(found.shape)}"
+            raise CorruptCheckpointError(
+                f"{info.file} changed since the load was planned: tensor {info.key!r} was {info.dtype} {list(info.shape)}, "
+                f"the file {now}. Do not rewrite a checkpoint while it loads; load it again."
+            )
+        return opened, (None if opened.whole is not None else found)
+
+    def _raw(self, info: TensorInfo, opened: _Opened, where: StoredTensor) -> TensorInfo | None:
+        offset = _raw_offset(where, opened.archive, opened.byte_order)
+        return replace(info, offset=offset) if offset is not None else None
 
     def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
-        """Cold files: ask the kernel to read this tensor's (slice's) pages of the shard mapping now
-        (``madvise(WILLNEED)``), as ``SafetensorsReader.hint`` does with file offsets, so the reader threads'
-        page faults find them in flight instead of each starting its own small read."""
-        full = self._load(info.file)[info.key]
-        runs = element_runs(info.shape, shard)
-        if info.file not in self._mapped or not runs or not full.is_contiguous():
-            return
-        itemsize, (first, _), (last, n) = info.dtype.itemsize, runs[0], runs[-1]
-        if sum(m for _, m in runs) * 2 >= last + n - first:  # dense enough, as for safetensors
-            will_need_pages(full.data_ptr() + first * itemsize, (last + n - first) * itemsize)
+        opened, where = self._located(info)
+        raw = self._raw(info, opened, where) if where is not None else None
+        if raw is not None:
+            super().hint(raw, shard)
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
-        full = self._load(info.file)[info.key]
-        src = slice_tensor(full, shard)
-        mapped = info.file in self._mapped  # decided now: the job runs after other shards may have been loaded
-        if not (mapped and src.is_contiguous()):
+        opened, where = self._located(info)
+        if where is None:  # loaded whole
+            src = slice_tensor(opened.whole[info.key], shard)
+            return [lambda: dst.copy_(src)]
+        raw = self._raw(info, opened, where)
+        if raw is not None:
+            return super().jobs(raw, dst, shard)
+        return [lambda: self._gathered(info, opened, where, dst, shard)] if element_runs(info.shape, shard) else []
 
-            def whole() -> None:
-                dst.copy_(src)
-                if mapped and full.is_contiguous():
-                    release_pages(full)
+    def _gathered(self, info: TensorInfo, opened: _Opened, where: StoredTensor, dst: torch.Tensor, shard: ShardSpec | None) -> None:
+        """A tensor stored with other strides or byte order: read the span of its storage it covers, copy it strided."""
+        first, last = where.span
+        itemsize = where.dtype.itemsize
+        buf = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
+        self._stats.staged(buf.numel())
+        member = opened.archive.members[f"data/{where.storage}"]
+        self._source.read(info.file, byte_view(buf), member.data_offset + first * itemsize)
+        if opened.byte_order != sys.byteorder:
+            buf.untyped_storage().byteswap(where.dtype)
+        stored = buf.view(where.dtype).as_strided(where.shape, where.stride)
+        dst.copy_(slice_tensor(stored, shard))
 
-            return [whole]
-        s, d = src.reshape(-1), dst.view(-1)
-
-        def chunk(start: int, stop: int) -> None:
-            d[start:stop].copy_(s[start:stop])
-            release_pages(s[start:stop])
-
-        return [functools.partial(chunk, a, b) for a, b in chunk_spans(src.numel(), info.dtype.itemsize, self._chunk_bytes)]
-
-    def done(self, info: TensorInfo, nbytes: int) -> None:
-        self._stats.read(nbytes)
-        self._remaining[info.file] -= 1
-        if self._remaining[info.file] == 0:
-            self._states.pop(info.file, None)  # the last reference: unmaps the file (zip) or frees it (legacy)
+    def finished(self, file: str) -> None:
+        """After the shard's last read: its central directory (every member's CRC and size) must be what it was
+        when the first was read, or the file was rewritten under the load and the tensors may mix two files."""
+        opened = self._opened.pop(file, None)
+        if opened is None or opened.archive is None:
+            return
+        start, end = opened.archive.directory
+        now = bytearray(end - start)
+        try:
+            self._source.read(file, memoryview(now), start)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{file} was cut while it loaded ({e}). Do not rewrite a checkpoint while it loads; load it again.") from e
+        if bytes(now) != opened.directory:
+            raise CorruptCheckpointError(
+                f"{file} changed while it loaded: its zip directory (the size and CRC of every tensor) is not what it was "
+                "when its first tensor was read. Do not rewrite a checkpoint while it loads; load it again."
+            )
 
     def close(self) -> None:
-        self._states.clear()
+        self._opened.clear()
 
 
 def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
@@ -154,10 +517,12 @@ def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, c
 
 
 def staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, workers: int, per_worker: int, converted: bool) -> int:
-    """Host bytes the reader holds beyond the destinations: a zip archive's mapped pages of the chunk each reader
-    thread copies; a legacy pickle, its largest shard (loaded whole, one shard at a time)."""
+    """Host bytes the reader holds beyond the destinations. zip: a chunk per reader thread where a dtype changes
+    (the same dtype lands in place), plus the largest tensor stored with other strides (read as its span). Legacy
+    pickle: its largest shard (loaded whole, one shard at a time)."""
     if checkpoint.format == CheckpointFormat.TORCH_ZIP:
-        return workers * per_worker
+        gathered = max((r.source.nbytes for r in plan.reads if r.source.offset is None), default=0)
+        return (workers * per_worker if converted else 0) + gathered
     sizes = Counter()
     for info in checkpoint.tensors.values():
         sizes[info.file] += info.nbytes
