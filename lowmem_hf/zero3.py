@@ -16,6 +16,7 @@ the checkpoint is initialized by transformers' own finishing step, which gathers
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -30,10 +31,38 @@ STYLE = "zero3"
 
 
 def zero3_enabled() -> bool:
-    """transformers' own test: an ``HfDeepSpeedConfig`` of stage 3 is alive (the Trainer creates it)."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    """transformers' own test: an ``HfDeepSpeedConfig`` of stage 3 is alive (the Trainer creates it).
 
-    return is_deepspeed_zero3_enabled()
+    Raises:
+        ValueError: the load runs inside ``deepspeed.zero.Init`` with no such config (Lightning's ``configure_model``,
+            or a bare ``with deepspeed.zero.Init(...)``): neither transformers nor lowmem_hf would see ZeRO-3, and
+            the model would come out unpartitioned with buffers left uninitialized.
+        UnsupportedArgumentError: ZeRO-3 with DeepSpeed AutoTP (``tensor_parallel.autotp_size > 1``), which
+            transformers refuses too; the switch hands it to transformers.
+    """
+    from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
+
+    enabled = is_deepspeed_zero3_enabled()
+    if not enabled and _inside_zero_init():
+        raise ValueError(
+            "from_pretrained runs inside deepspeed.zero.Init, but no HfDeepSpeedConfig is alive, so ZeRO-3 is not "
+            "enabled for transformers' loading code. Create one from the same DeepSpeed config and keep a reference "
+            "while loading (as the HF Trainer does): `keep = transformers.integrations.HfDeepSpeedConfig(ds_config)`; "
+            "under Lightning, `HfDeepSpeedConfig(self.trainer.strategy.config)` in configure_model."
+        )
+    if enabled and (deepspeed_config() or {}).get("tensor_parallel", {}).get("autotp_size", 1) > 1:
+        raise UnsupportedArgumentError(
+            "deepspeed",
+            "ZeRO-3 with DeepSpeed AutoTP (tensor_parallel.autotp_size > 1) is not read into partitions by lowmem_hf "
+            "(transformers refuses it too); load with transformers' from_pretrained.",
+        )
+    return enabled
+
+
+def _inside_zero_init() -> bool:
+    """Whether a ``deepspeed.zero.Init`` context is active (only if DeepSpeed is imported: nothing to ask otherwise)."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    return module is not None and getattr(module, "zero_init_context", 0) > 0
 
 
 def _partitioned(t: Any) -> bool:

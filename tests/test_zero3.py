@@ -61,10 +61,8 @@ def test_a_zero3_trainer_job_trains_bit_identically_under_the_switch(make_checkp
     runs = {}
     for what, prefix in (("plain", []), ("switched", ["-m", "lowmem_hf", "run"])):
         (tmp_path / what).mkdir()
-        proc = _run(_torchrun(2, *prefix, *script), tmp_path / what)
-        lines = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("ZERO3_TRAIN ")]
-        runs[what] = {r["rank"]: r for r in lines}
-        assert sorted(runs[what]) == [0, 1], proc.stdout[-2000:]
+        _run(_torchrun(2, *prefix, *script), tmp_path / what)
+        runs[what] = {r: json.loads((tmp_path / what / "out" / f"zero3_train.{r}.json").read_text()) for r in (0, 1)}
     for rank in (0, 1):
         plain, switched = runs["plain"][rank], runs["switched"][rank]
         assert switched["lowmem_report"] and not plain["lowmem_report"]
@@ -78,17 +76,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_what_zero3_cannot_read_falls_back_once_and_the_direct_api_says_why(make_checkpoint, tmp_path):
-    # legacy per-expert keys that transformers merges: a converted tensor has no byte range per partition
-    path = make_checkpoint("mixtral", "safetensors")
+def _load_in_one_rank(path: str, mode: str, tmp_path) -> dict:
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     proc = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "zero3_load.py"), path], env=env, cwd=tmp_path,
+        [sys.executable, os.path.join(SCRIPTS, "zero3_load.py"), path, mode], env=env, cwd=tmp_path,
         capture_output=True, text=True, timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ZERO3_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[0].removeprefix("ZERO3_RESULT "))
+    return json.loads(lines[0].removeprefix("ZERO3_RESULT "))
+
+
+def test_what_zero3_cannot_read_falls_back_once_and_the_direct_api_says_why(make_checkpoint, tmp_path):
+    # legacy per-expert keys that transformers merges: a converted tensor has no byte range per partition
+    result = _load_in_one_rank(make_checkpoint("mixtral", "safetensors"), "fallback", tmp_path)
     assert result["direct"] == "deepspeed"  # UnsupportedArgumentError naming it, never a wrong model
     assert len(result["fallbacks"]) == 1 and "converts" in result["fallbacks"][0]
     assert result["partitioned"] and not result["lowmem_report"]  # transformers' own ZeRO-3 model
+
+
+def test_zero3_with_autotp_is_refused_naming_deepspeed(make_checkpoint, tmp_path):
+    result = _load_in_one_rank(make_checkpoint("llama", "safetensors"), "autotp", tmp_path)
+    assert result["direct"] == "deepspeed" and "autotp_size" in result["direct_message"]
+
+
+def test_a_load_inside_zero_init_without_an_hf_deepspeed_config_is_an_error_not_a_wrong_model(make_checkpoint, tmp_path):
+    # before: an unpartitioned model whose rotary inv_freq buffer was left uninitialized
+    result = _load_in_one_rank(make_checkpoint("llama", "safetensors"), "bare-zero-init", tmp_path)
+    assert "HfDeepSpeedConfig" in result["direct"] and "deepspeed.zero.Init" in result["direct"]

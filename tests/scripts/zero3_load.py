@@ -16,9 +16,21 @@ import lowmem_hf  # noqa: E402
 from lowmem_hf.patch import FallbackWarning  # noqa: E402
 
 
-def main(path: str) -> None:
+def main(path: str, mode: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+    if mode == "bare-zero-init":  # Lightning's configure_model without an HfDeepSpeedConfig
+        load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained  # imported before, as a script imports it
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                load(path)
+            result = {"direct": "loaded"}
+        except ValueError as error:
+            result = {"direct": str(error)}
+        print("ZERO3_RESULT " + json.dumps(result), flush=True)
+        return
+    if mode == "autotp":
+        config["tensor_parallel"] = {"autotp_size": 2}
     keep_alive = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads it through a weak reference
     result = {}
     try:
@@ -26,6 +38,10 @@ def main(path: str) -> None:
         result["direct"] = "loaded"
     except lowmem_hf.UnsupportedArgumentError as error:
         result["direct"] = error.argument
+        result["direct_message"] = str(error)
+    if mode == "autotp":  # transformers refuses it as well: nothing to fall back to
+        print("ZERO3_RESULT " + json.dumps(result), flush=True)
+        return
     with lowmem_hf.patch_transformers(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -37,4 +53,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "fallback")

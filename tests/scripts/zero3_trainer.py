@@ -1,6 +1,6 @@
 """A 2-rank HF Trainer job under DeepSpeed ZeRO-3 on CPU, written as such jobs are (TrainingArguments first, so its
-HfDeepSpeedConfig exists when the model is loaded). Prints one ZERO3_TRAIN line per rank: losses and a digest of
-this rank's trained partitions.
+HfDeepSpeedConfig exists when the model is loaded). Writes OUT/zero3_train.<rank>.json per rank: losses and a
+digest of this rank's trained partitions (a file each: the ranks' stdout lines interleave).
 
     torchrun --nproc-per-node 2 [-m lowmem_hf run] zero3_trainer.py --model PATH --output-dir OUT [--offload]
 """
@@ -55,10 +55,9 @@ def main() -> None:
     digest = hashlib.sha256()
     for name, param in sorted(trainer.model_wrapped.module.named_parameters()):
         digest.update(name.encode() + param.ds_tensor.detach().float().numpy().tobytes())
-    print("ZERO3_TRAIN " + json.dumps({
-        "rank": int(os.environ["RANK"]), "losses": losses, "partitions": digest.hexdigest(),
-        "lowmem_report": hasattr(model, "lowmem_report"),
-    }), flush=True)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(args.output_dir, f"zero3_train.{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "losses": losses, "partitions": digest.hexdigest(), "lowmem_report": hasattr(model, "lowmem_report")}, f)
 
 
 if __name__ == "__main__":
