@@ -5,7 +5,9 @@
 
 Loads the repo from the hub with ``tp_plan="auto", fetch="ranges"`` into its own HF cache (one "node" per rank),
 checks every local shard against a load of the same folder from disk at the same tp_size, and writes what it saw
-to ``OUT/rank<r>.json``. ``--kill-after`` makes the process die abruptly (``os._exit``) that long into the load.
+to ``OUT/rank<r>.json``. ``--kill-after`` makes the process die abruptly (``os._exit``) that long after its first
+wave of the exchange began (counted from there, not from start-up, so a loaded machine's slow imports or planning
+cannot make it die before the exchange it is meant to break).
 """
 
 import argparse
@@ -35,7 +37,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.kill_after is not None:
-        threading.Timer(args.kill_after, os._exit, (17,)).start()
+        from lowmem_hf.sources.exchange import CooperativeRanges
+
+        first_wave = CooperativeRanges.before_submodule
+        timer = threading.Timer(args.kill_after, os._exit, (17,))
+
+        def before_submodule(self, name):  # the fault: die once the exchange is under way
+            if not timer.is_alive():
+                timer.start()
+            return first_wave(self, name)
+
+        CooperativeRanges.before_submodule = before_submodule
     load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
     with use_hub(args.hub, args.home):
         model, report = load(args.repo, tp_plan="auto", fetch="ranges", fetch_span_bytes=args.span, output_loading_info=True)
