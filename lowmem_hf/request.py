@@ -21,7 +21,7 @@ import torch
 from .distributed import check_distributed_config
 from .errors import UnsupportedArgumentError
 from .fetch import FETCH_MODES
-from .plan.dtypes import check_dtype_policy, parse_dtype, parse_overrides
+from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
 __all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request", "NOT_IMPLEMENTED"]
@@ -332,7 +332,8 @@ def make_request(
     if isinstance(requested, dict):
         raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
     if requested != "auto":
-        requested = parse_dtype(requested, argument="torch_dtype" if torch_dtype is not None else "dtype")
+        argument = "torch_dtype" if torch_dtype is not None else "dtype"
+        requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
     check_dtype_policy(dtype_policy)
     if fetch not in FETCH_MODES:
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")

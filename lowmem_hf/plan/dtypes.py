@@ -3,13 +3,15 @@
 Rules, first match wins:
 
 1. ``dtype_overrides`` — the caller's ordered ``(glob, dtype)`` list, matched with ``fnmatch`` against
-   the parameter's name. Applies to floating-point tensors only.
+   the parameter's name. Applies to floating-point tensors only, and chooses only ``FLOAT_DTYPES``.
 2. The model's own fp32 declarations, exactly as transformers applies them: ``_keep_in_fp32_modules``
    when the reference dtype is float16, ``_keep_in_fp32_modules_strict`` when it is float16 or bfloat16.
    The reference dtype is the declared dtype under ``"declared"`` and the stored dtype under ``"loaded"``.
 3. ``"declared"``: the module's dtype as built under the declared default dtype (transformers: a module
    that hard-codes another dtype keeps it), else the declared dtype.
-   ``"loaded"``: the stored dtype.
+   ``"loaded"``: the stored dtype; a floating one outside ``FLOAT_DTYPES`` (float8) is an error.
+
+No rule chooses a dtype transformers would not load a floating tensor into (``FLOAT_DTYPES``).
 
 The declared dtype is ``torch_dtype`` when given, else the config's/checkpoint's when ``"auto"``/``None``,
 decided by transformers' own ``_get_dtype``. Nothing here depends on the model having been built on ``meta``:
@@ -28,9 +30,16 @@ from transformers.core_model_loading import build_glob_alternation
 
 from ..types import DtypeDecision
 
-__all__ = ["DTYPE_POLICIES", "DtypePolicy", "check_dtype_policy", "parse_dtype", "parse_overrides"]
+__all__ = [
+    "DTYPE_POLICIES", "FLOAT_DTYPES", "DtypePolicy", "check_dtype_policy", "check_float_dtype", "parse_dtype", "parse_overrides",
+]
 
 DTYPE_POLICIES = ("declared", "loaded")
+
+# The dtypes transformers loads a floating tensor into: it builds the model under ``torch.set_default_dtype(dtype)``
+# (``local_torch_dtype``), which torch accepts for these four only (float8 fails on a missing storage class,
+# integer and complex dtypes are refused), and it casts every floating checkpoint tensor to its parameter's dtype.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _DTYPE_NAMES = sorted(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
@@ -51,6 +60,26 @@ def parse_dtype(value: Any, *, argument: str) -> torch.dtype:
             + (", or 'auto' for the checkpoint's dtype." if argument in ("torch_dtype", "dtype") else ".")
         )
     raise TypeError(f"{argument} must be a torch.dtype or its name, got {type(value).__name__} {value!r}.")
+
+
+def check_float_dtype(dtype: torch.dtype, *, argument: str) -> torch.dtype:
+    """``dtype`` if it is one of ``FLOAT_DTYPES``, else a ``ValueError`` naming ``argument`` (``torch_dtype``,
+    ``dtype_overrides['*.weight']``...)."""
+    if dtype not in FLOAT_DTYPES:
+        if dtype == torch.bool:
+            kind = "a boolean dtype"
+        elif dtype.is_complex:
+            kind = "a complex dtype"
+        elif dtype.is_floating_point:
+            kind = "a float format that transformers reaches only through a quantization_config"
+        else:
+            kind = "an integer dtype"
+        raise ValueError(
+            f"{argument}={dtype}: transformers loads floating tensors only into "
+            f"{', '.join(str(d) for d in FLOAT_DTYPES[:-1])} or {FLOAT_DTYPES[-1]}, and {dtype} is {kind}. "
+            "Choose one of those."
+        )
+    return dtype
 
 
 def check_dtype_policy(mode: Any) -> None:
@@ -80,7 +109,9 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | N
             ) from None
         if not isinstance(pattern, str):
             raise TypeError(f"dtype_overrides pattern must be a str glob, got {pattern!r}.")
-        out.append((pattern, parse_dtype(dtype, argument=f"dtype_overrides[{pattern!r}]")))
+        # overrides apply to floating tensors only, so an integer dtype would cast float weights (int8: garbage)
+        argument = f"dtype_overrides[{pattern!r}]"
+        out.append((pattern, check_float_dtype(parse_dtype(dtype, argument=argument), argument=argument)))
     return tuple(out)
 
 
@@ -129,6 +160,12 @@ class DtypePolicy:
                 rule = "keep_in_fp32_strict" if self.strict_only[reference] else "keep_in_fp32"
                 return DtypeDecision(torch.float32, rule)
         if self.mode == "loaded":
+            if floating and stored not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"{name} is stored as {stored}; dtype_policy='loaded' keeps checkpoint dtypes, but transformers "
+                    f"loads floating tensors only into {', '.join(str(d) for d in FLOAT_DTYPES)}. Use "
+                    f"dtype_policy='declared' (casts it to {self.dtype}) or a dtype_overrides entry for {name!r}."
+                )
             return DtypeDecision(stored, "loaded")
         if module != self.dtype:
             return DtypeDecision(module, "module")
