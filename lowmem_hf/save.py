@@ -14,17 +14,28 @@ shard of one tensor; the other ranks hold nothing beyond their shards.
 tp_size. Written by hand rather than through ``dcp.save`` because DCP's writer serializes each rank's whole file
 in memory (``safetensors.torch.save``) and refuses tied tensors.
 
-Crash safety: files are written as ``<name>.partial`` and renamed only after every rank reported success (a
-collective status check, so a failure on one rank fails all, none hangs); the index is renamed last, so an
-interrupted save never leaves a directory that looks complete.
+Crash safety, "write aside, switch at the end": every new file is written into ``<dir>/.lowmem_hf_save.partial/``
+and fsync'd. Only after every rank reported success (a collective status check: a failure on one rank fails all,
+none hangs) are they renamed into place, in an order that leaves a loader a complete checkpoint at every instant.
+transformers and lowmem_hf read ``model.safetensors`` when it is there, else ``model.safetensors.index.json`` and
+the shards it names; so a one-file checkpoint switches with the rename of ``model.safetensors``, a sharded one with
+the rename of its index (or, when an older ``model.safetensors`` was what loaders read, with its removal). Shard
+names that the live index still names are replaced only after the index has been pointed at second names (hard
+links) of the new shards. The previous checkpoint's files go only after the switch. A failed save removes what it
+wrote and leaves the folder as it was; a killed save leaves the old or the new checkpoint loadable, plus at most the
+staging folder and (killed mid-switch) the second names, which the next save removes. The rank-local format (``distributed_checkpoint=True``) has no index to switch: its old rank files are
+removed just before the new ones are renamed in, so a kill in that moment leaves a folder that does not load
+(lowmem_hf checks that the rank files cover every tensor), never one that mixes two saves.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -33,15 +44,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .plan.dtypes import parse_dtype
+from .plan.dtypes import check_float_dtype, parse_dtype
 from .plan.sharding import box_runs
 
 __all__ = ["save_pretrained"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-PARTIAL = ".partial"
+STAGING = ".lowmem_hf_save.partial"  # the folder inside save_directory where new files are written aside
 _WRITE_BYTES = 64 * 1024 * 1024  # bytes per write() call of a gathered tensor
+_HUB_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_RANK_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+_SECOND_NAME = re.compile(r"model-\d{5}-of-\d{5}\.next\.safetensors")  # see _point_index_at_second_names
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -62,6 +76,20 @@ class _Entry:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)  # global shape for a DTensor
 
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why one rank could not do its part of a save; sent to every rank by ``_agree``."""
+
+    errno: int | None
+    """The OS error number (``errno.ENOSPC``...), or ``None`` for an error that is not an ``OSError``."""
+    text: str
+    """What failed, naming the file, with the bytes needed where known."""
+
 
 def save_pretrained(
     model: Any,
@@ -73,36 +101,49 @@ def save_pretrained(
 ) -> None:
     """Write ``model`` to ``save_directory`` one tensor at a time. Under tensor parallelism every rank must call it.
 
+    A checkpoint already in ``save_directory`` stays loadable until the new one is complete (see the module
+    docstring); then it is replaced whole, none of its shards left behind.
+
     Args:
         model: a transformers ``PreTrainedModel``, plain or with DTensor parameters (``tp_plan`` loads).
-        save_directory: created if needed; shard files of an earlier save that this one does not write are removed.
+        save_directory: created if needed.
         max_shard_size: as in transformers (``"5GB"``, or bytes).
-        dtype: write floating tensors in this dtype (``torch.bfloat16`` or ``"bfloat16"``); ``None`` keeps each one's.
+        dtype: write floating tensors in this dtype (``torch.bfloat16`` or ``"bfloat16"``; float16, bfloat16,
+            float32 or float64); ``None`` keeps each one's.
         distributed_checkpoint: write each rank's local shards (no gather), transformers' sharded format.
 
     Raises:
         OSError: ``save_directory`` cannot be written (raised on every rank before anything is written), or a
-            rank failed while writing (every rank raises, naming the rank and file; the partial files are removed).
+            rank failed while writing: every rank raises, naming the rank and the file, with ``errno`` set
+            (``ENOSPC`` for a full disk, with the bytes the file and the checkpoint need); the files written aside
+            are removed and the folder holds what it held before.
         ValueError: a model loaded with ``tp_rank``/``tp_size`` and no process group (its parameters are slices,
-            which cannot be saved as full tensors), or a placement that cannot be saved.
+            which cannot be saved as full tensors), a placement that cannot be saved, or a ``dtype`` that is not a
+            floating dtype transformers loads.
         NotImplementedError: a 2-D (or larger) device mesh, or load-time key conversions that change names.
 
     Example:
         >>> lowmem_hf.save_pretrained(model, "out", dtype=torch.bfloat16)   # all TP ranks call it
     """
     directory = os.path.abspath(os.fspath(save_directory))
-    out_dtype = parse_dtype(dtype, argument="dtype") if dtype is not None else None
+    out_dtype = check_float_dtype(parse_dtype(dtype, argument="dtype"), argument="dtype") if dtype is not None else None
     group = _group_of(model)
     rank = dist.get_rank(group) if group is not None else 0
     if not any(isinstance(p.data, DTensor) for p in model.parameters()):
         _refuse_local_slices(model)
     entries = _entries(model, out_dtype)
     writes = rank == 0 or distributed_checkpoint
-    _agree(_writable(directory) if writes else None, group, what="check the save directory")
-    if distributed_checkpoint:
-        _save_sharded(model, directory, entries, group, rank)
-    else:
-        _save_gathered(model, directory, entries, group, rank, max_shard_size)
+    _agree(_prepare_directory(directory) if writes else None, group, what="prepare the save directory", outcome="nothing was written")
+    staging = _Staging(
+        directory, weight_bytes=sum(e.nbytes for e in entries), writer=writes, max_shard_size_applies=not distributed_checkpoint
+    )
+    try:
+        if distributed_checkpoint:
+            _save_sharded(model, directory, entries, group, rank, staging)
+        else:
+            _save_gathered(model, directory, entries, group, rank, max_shard_size, staging)
+    finally:
+        staging.discard()  # every rank is past its last collective here, or failing anyway
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,27 +216,312 @@ def _entries(model: Any, out_dtype: torch.dtype | None) -> list[_Entry]:
     return entries
 
 
-def _writable(directory: str) -> str | None:
-    """``None`` if ``directory`` can take the files, else why not (nothing is written either way)."""
+def _prepare_directory(directory: str) -> _Failure | None:
+    """``None`` if ``directory`` can take the files, else why not (nothing is written either way). Removes what a
+    killed save left in the staging folder."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        return f"cannot create the save directory {directory}: {e}"
+        return _Failure(e.errno, f"cannot create the save directory {directory}: {e.strerror or e}")
     if not os.access(directory, os.W_OK | os.X_OK):
-        return f"the save directory {directory} is not writable by this process (check its permissions)"
+        return _Failure(errno.EACCES, f"the save directory {directory} is not writable by this process (check its permissions)")
+    shutil.rmtree(os.path.join(directory, STAGING), ignore_errors=True)
     return None
 
 
-def _agree(error: str | None, group, *, what: str) -> None:
-    """Every rank learns whether any rank failed, and raises if so: no rank goes on into a collective alone."""
-    errors = [error]
+def _agree(failure: _Failure | None, group, *, what: str, outcome: str, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed, and raises if so: no rank goes on into a collective alone.
+
+    The error is an ``OSError`` with the first failing rank's ``errno`` (``PermissionError`` for ``EACCES``...);
+    ``cause`` (this rank's own exception, if any) is chained to it.
+    """
+    failures = [failure]
     if group is not None:
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        failures = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, failure, group=group)
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
     if failed:
-        text = "; ".join(f"rank {r}: {e}" for r, e in failed) if group is not None else failed[0][1]
-        raise OSError(f"lowmem_hf.save_pretrained could not {what}, nothing was saved: {text}")
+        text = "; ".join(f"rank {r}: {f.text}" for r, f in failed) if group is not None else failed[0][1].text
+        message = f"lowmem_hf.save_pretrained could not {what}, {outcome}: {text}"
+        code = failed[0][1].errno
+        raise (OSError(code, message) if code is not None else OSError(message)) from cause
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Written aside, then switched
+# ---------------------------------------------------------------------------------------------------------
+class _Staging:
+    """This rank's new files, written into ``<directory>/.lowmem_hf_save.partial/`` and fsync'd; moved into place
+    by the switch after every rank agreed, removed otherwise. The first failure is kept (with the bytes needed)
+    and the rank goes on taking part in every exchange, so that no other rank hangs."""
+
+    def __init__(self, directory: str, *, weight_bytes: int, writer: bool, max_shard_size_applies: bool):
+        self.directory = directory
+        self.folder = os.path.join(directory, STAGING)
+        self.writer = writer
+        self.max_shard_size_applies = max_shard_size_applies
+        """Whether a smaller ``max_shard_size`` makes smaller files (not in the rank-local format)."""
+        self.weight_bytes = weight_bytes
+        """The new checkpoint's tensor bytes (all ranks together)."""
+        self.free_bytes = _free_bytes(directory) if writer else None
+        """What the device had free when the save began (``None``: unknown)."""
+        self.names: list[str] = []
+        """The weight files this rank wrote, in order."""
+        self.configs: list[str] = []
+        """The config files rank 0 wrote (config.json, generation_config.json, remote code)."""
+        self.failure: _Failure | None = None
+        self.cause: BaseException | None = None
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def create(self, name: str, size: int, *, weights: bool = True) -> int | None:
+        """A new file of ``size`` bytes open for writing, or ``None`` once this rank has failed."""
+        if self.failure is not None:
+            return None
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd = os.open(self.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        except OSError as e:
+            self.fail(name, e, size)
+            return None
+        if weights:
+            self.names.append(name)
+        return fd
+
+    def close(self, fd: int | None, name: str, size: int) -> None:
+        """fsync (some file systems report a full disk only here) and close."""
+        if fd is None:
+            return
+        try:
+            if self.failure is None:
+                os.fsync(fd)
+        except OSError as e:
+            self.fail(name, e, size)
+        finally:
+            try:
+                os.close(fd)
+            except OSError as e:
+                self.fail(name, e, size)
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """A small file, whole (the index)."""
+        fd = self.create(name, len(data), weights=False)
+        if fd is not None:
+            try:
+                _pwrite_all(fd, memoryview(data), 0)
+            except OSError as e:
+                self.fail(name, e, len(data))
+            self.close(fd, name, len(data))
+
+    def write_configs(self, model: Any, entries: list[_Entry]) -> None:
+        """The config and generation config, by transformers' own ``save_pretrained``, into a folder of their own."""
+        if self.failure is not None:
+            return
+        folder = self.path("config")
+        config = copy.deepcopy(model.config)
+        floating = [e.dtype for e in entries if e.dtype.is_floating_point]
+        written = floating[0] if floating else model.dtype
+        config.dtype = str(written).split(".")[1]  # as transformers records it
+        config.architectures = [type(model).__name__]
+        steps = [("config.json", lambda: config.save_pretrained(folder))]
+        if model.can_generate() and getattr(model, "generation_config", None) is not None:
+            steps.append(("generation_config.json", lambda: model.generation_config.save_pretrained(folder)))
+        for name, step in steps:
+            try:
+                step()
+            except Exception as e:  # transformers' validation too: every rank must learn of it
+                self.fail(name, e, None)
+                return
+        self.configs = sorted(os.listdir(folder))
+
+    def fail(self, name: str, error: BaseException, size: int | None) -> None:
+        """Keep the first failure, described for the user: the file's final path, why, and the bytes needed."""
+        if self.failure is not None:
+            return
+        path = os.path.join(self.directory, name)
+        if not isinstance(error, OSError):
+            self.failure, self.cause = _Failure(None, f"{path}: {type(error).__name__}: {error}"), error
+            return
+        text = f"writing {path}: {error.strerror or error}"
+        code = error.errno
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            needs = f"The file needs {size} bytes and the" if size is not None else "The"
+            text += (
+                f". {needs} new checkpoint's weights need {self.weight_bytes} bytes in all, next to the files already "
+                "in the folder (those are replaced only once the new ones are complete)"
+            )
+            if self.free_bytes is not None:
+                short = self.weight_bytes - self.free_bytes
+                text += f"; the device had {self.free_bytes} bytes free when the save began"
+                text += f", {short} bytes short" if short > 0 else ""
+            text += ". Free space on the device, or save to another folder."
+        elif code == errno.EFBIG:
+            text += f" (it needs {size} bytes, more than one file may hold here)"
+            text += ". Pass a smaller max_shard_size." if self.max_shard_size_applies else "."
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            text += f". Check the permissions of {self.directory}."
+        self.failure, self.cause = _Failure(code, text), error
+
+    def discard(self) -> None:
+        """Remove the staging folder and whatever is left in it (after a failure: everything this save wrote)."""
+        if self.writer:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``view`` at ``offset``, ``_WRITE_BYTES`` per call, through short writes."""
+    while len(view):
+        written = os.pwrite(fd, view[:_WRITE_BYTES], offset)
+        view, offset = view[written:], offset + written
+
+
+def _live_weights(directory: str) -> set[str]:
+    """The weight files a loader reads in ``directory`` now: ``model.safetensors`` if it is there (transformers and
+    lowmem_hf look for it first), else the index and the files it names."""
+    if os.path.isfile(os.path.join(directory, SAFE_WEIGHTS_NAME)):
+        return {SAFE_WEIGHTS_NAME}
+    index = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+    if not os.path.isfile(index):
+        return set()
+    try:
+        with open(index, encoding="utf-8") as f:
+            named = {v for v in json.load(f)["weight_map"].values() if isinstance(v, str) and os.sep not in v}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        named = set()  # an unreadable index: nothing loads from it anyway
+    return {SAFE_WEIGHTS_INDEX_NAME} | named
+
+
+def _is_weight_file(name: str) -> bool:
+    """A file a save of lowmem_hf (or transformers) writes, hence replaced by the next save into the folder."""
+    return name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME) or any(
+        p.fullmatch(name) for p in (_HUB_SHARD, _RANK_SHARD, _SECOND_NAME)
+    )
+
+
+def _remove(directory: str, name: str) -> None:
+    try:
+        os.remove(os.path.join(directory, name))
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the renames durable (best effort: some file systems cannot fsync a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _move_configs(staging: _Staging) -> None:
+    for name in staging.configs:
+        os.replace(os.path.join(staging.path("config"), name), os.path.join(staging.directory, name))
+
+
+def _switch_gathered(staging: _Staging, index: dict | None) -> None:
+    """Rank 0, after every rank agreed: move the new files into place so that a loader sees the old checkpoint,
+    then the new one, never a mix; then remove what the old one held and the new one does not."""
+    directory, weights = staging.directory, staging.names
+    live = _live_weights(directory)
+    _move_configs(staging)  # small, and a checkpoint step rarely changes them
+    if index is None:
+        os.replace(staging.path(SAFE_WEIGHTS_NAME), os.path.join(directory, SAFE_WEIGHTS_NAME))  # the switch
+    else:
+        if live & set(weights):
+            _point_index_at_second_names(staging, index)  # the switch, when the old index was live
+        for name in weights:
+            os.replace(staging.path(name), os.path.join(directory, name))
+        os.replace(staging.path(SAFE_WEIGHTS_INDEX_NAME), os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME))  # or here
+        _remove(directory, SAFE_WEIGHTS_NAME)  # the switch, when an older model.safetensors was live
+    _fsync_directory(directory)
+    keep = set(weights) | ({SAFE_WEIGHTS_INDEX_NAME} if index is not None else set())
+    for name in os.listdir(directory):
+        if name not in keep and (_is_weight_file(name) or (name in live and name.endswith(".safetensors"))):
+            _remove(directory, name)
+
+
+def _point_index_at_second_names(staging: _Staging, index: dict) -> None:
+    """The live index names files the new shards are about to replace. Give every new shard a second name (a hard
+    link, no copy), then point the live index at those: the new checkpoint is then what loaders read, and the
+    final names can be replaced. Where the file system has no hard links, remove the old index instead: until the
+    new one is renamed in the folder does not load (it never mixes two checkpoints)."""
+    directory = staging.directory
+    second = {name: name.removesuffix(".safetensors") + ".next.safetensors" for name in staging.names}
+    try:
+        for name, other in second.items():
+            _remove(directory, other)
+            os.link(staging.path(name), os.path.join(directory, other))
+    except OSError:
+        for other in second.values():
+            _remove(directory, other)
+        _remove(directory, SAFE_WEIGHTS_INDEX_NAME)
+        return
+    bridge = dict(index, weight_map={k: second[v] for k, v in index["weight_map"].items()})
+    path = staging.path(SAFE_WEIGHTS_INDEX_NAME + ".next")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(bridge, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path, os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME))
+
+
+def _switch_rank_files(staging: _Staging, group, rank: int, keep: set[str]) -> None:
+    """Every rank, after every rank agreed: move the rank files of ``distributed_checkpoint=True`` into place.
+
+    That format has no index: loaders read every ``shard-*`` file, unless a Hub-layout checkpoint is there, which
+    takes precedence. So with none there, rank 0 removes the old rank files before any new one lands (a reader sees
+    an incomplete set, never old and new files together); then every rank renames its file; then rank 0 removes
+    a Hub-layout checkpoint (the switch, if it was live: the index first, ``model.safetensors`` last) and the rank
+    files of an earlier save with more ranks.
+    """
+    directory = staging.directory
+
+    def step(action, ranks) -> None:
+        failure = None
+        if ranks is None or rank in ranks:
+            try:
+                action()
+            except OSError as e:
+                failure = _Failure(e.errno, f"moving the new files into {directory}: {e}")
+        _agree(failure, group, what="switch to the new checkpoint", outcome="the folder may hold no complete checkpoint")
+
+    def clear_old_rank_files() -> None:
+        _move_configs(staging)
+        if not _live_weights(directory):
+            for name in os.listdir(directory):
+                if _RANK_SHARD.fullmatch(name):
+                    _remove(directory, name)
+
+    def move_own_files() -> None:
+        for name in staging.names:
+            os.replace(staging.path(name), os.path.join(directory, name))
+        _fsync_directory(directory)
+
+    def remove_the_rest() -> None:
+        for name in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME):
+            _remove(directory, name)
+        for name in os.listdir(directory):
+            if _is_weight_file(name) and name not in keep:
+                _remove(directory, name)
+
+    step(clear_old_rank_files, ranks=(0,))
+    step(move_own_files, ranks=None)
+    step(remove_the_rest, ranks=(0,))  # the ranks return together
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,13 +540,9 @@ def _header(items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dic
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_tensor(f, t: torch.Tensor) -> None:
-    """Append a tensor's bytes to ``f`` (the sharded save)."""
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
-    data = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    view = memoryview(data.numpy())
-    for start in range(0, len(view), _WRITE_BYTES):
-        f.write(view[start : start + _WRITE_BYTES])
+    return memoryview((t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)).numpy())
 
 
 def _as_shard(t: torch.Tensor) -> torch.Tensor:
@@ -265,6 +587,7 @@ def _write_gathered(fd: int | None, start: int, entry: _Entry, group, rank: int)
         if local.numel():
             dist.send(local.reshape(-1).view(torch.uint8), group=group, group_dst=0)
         return
+    failed = None
     for r, (dim, offset, size) in enumerate(pieces):
         if size == 0:
             continue
@@ -278,8 +601,13 @@ def _write_gathered(fd: int | None, start: int, entry: _Entry, group, rank: int)
         at = [0] * len(shape)
         at[dim] = offset
         runs = box_runs(tuple(shape), (0,) * len(shape), entry.shape, tuple(at), tuple(shape))
-        _pwrite_runs(fd, start, piece, runs, entry)
+        try:
+            _pwrite_runs(None if failed else fd, start, piece, runs, entry)
+        except OSError as e:  # receive the other ranks' pieces all the same: they are already sending
+            failed = e
         del piece
+    if failed is not None:
+        raise failed
 
 
 def _pwrite_runs(fd: int | None, start: int, values: torch.Tensor, runs: list[tuple[int, int, int]], entry: _Entry) -> None:
@@ -289,120 +617,58 @@ def _pwrite_runs(fd: int | None, start: int, values: torch.Tensor, runs: list[tu
     data = memoryview(values.reshape(-1).view(torch.uint8).numpy())
     size = entry.dtype.itemsize
     for src, dst, n in runs:
-        view, offset = data[src * size : (src + n) * size], start + dst * size
-        while len(view):
-            written = os.pwrite(fd, view[:_WRITE_BYTES], offset)
-            view, offset = view[written:], offset + written
+        _pwrite_all(fd, data[src * size : (src + n) * size], start + dst * size)
 
 
-class _Files:
-    """This rank's files being written: ``<name>.partial`` until every rank agrees, then renamed in order."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.names: list[str] = []
-        self.error: str | None = None
-
-    def open(self, name: str):
-        self.names.append(name)
-        return open(os.path.join(self.directory, name + PARTIAL), "wb")
-
-    def commit(self) -> None:
-        for name in self.names:
-            os.replace(os.path.join(self.directory, name + PARTIAL), os.path.join(self.directory, name))
-
-    def discard(self) -> None:
-        for name in self.names:
-            try:
-                os.remove(os.path.join(self.directory, name + PARTIAL))
-            except FileNotFoundError:
-                pass
-
-
-def _save_gathered(model: Any, directory: str, entries: list[_Entry], group, rank: int, max_shard_size) -> None:
+def _save_gathered(model: Any, directory: str, entries: list[_Entry], group, rank: int, max_shard_size, staging: _Staging) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
     by_name = {e.name: e for e in entries}
     meta = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    files = _Files(directory)
-    if rank == 0:
-        # an older index would make a save interrupted from here on look complete
-        for stale in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME):
-            if os.path.exists(os.path.join(directory, stale)):
-                os.remove(os.path.join(directory, stale))
+    headers = {
+        filename: _header([(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"})
+        for filename, names in split.filename_to_tensors.items()
+    }
+    staging.weight_bytes = sum(len(h) for h in headers.values()) + sum(e.nbytes for e in entries)  # exact: headers too
     for filename, names in split.filename_to_tensors.items():
-        f = None
-        header = _header([(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"})
-        if rank == 0 and files.error is None:
-            try:
-                f = files.open(filename)
-                f.write(header)
-                f.flush()
-            except OSError as e:
-                files.error = f"{os.path.join(directory, filename)}: {e}"
+        header = headers[filename]
+        size = len(header) + sum(by_name[n].nbytes for n in names)
+        fd = staging.create(filename, size) if rank == 0 else None
+        try:
+            if fd is not None:
+                _pwrite_all(fd, memoryview(header), 0)
+        except OSError as e:
+            staging.fail(filename, e, size)
         start = len(header)
         for name in names:
             entry = by_name[name]
             # every rank takes part in every tensor's exchange, even after a local failure, so none hangs
             try:
-                _write_gathered(f.fileno() if f is not None and files.error is None else None, start, entry, group, rank)
+                _write_gathered(fd if staging.failure is None else None, start, entry, group, rank)
             except OSError as e:
-                files.error = f"{os.path.join(directory, filename)}: {e}"
-            start += entry.dtype.itemsize * int(torch.Size(entry.shape).numel())
-        if f is not None:
-            f.close()
-    _finish(files, group, rank, lambda: _write_metadata(model, directory, split, entries))
-
-
-def _finish(files: _Files, group, rank: int, rank0_after) -> None:
-    """Collective status check, then rename; rank 0 writes config/index last. All ranks return together."""
-    try:
-        _agree(files.error, group, what="write the checkpoint")
-    except OSError:
-        files.discard()
-        raise
-    files.commit()
-    if rank == 0:
-        rank0_after()
-    if group is not None:
-        dist.barrier(group=group)
-
-
-def _write_metadata(model: Any, directory: str, split, entries: list[_Entry]) -> None:
-    """Config, generation config, stale shards removed, and the index last (renamed into place)."""
-    _save_configs(model, directory, entries)
-    pattern = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-    for name in os.listdir(directory):
-        if (pattern.fullmatch(name) or name == SAFE_WEIGHTS_NAME) and name not in split.filename_to_tensors:
-            os.remove(os.path.join(directory, name))
-    index_path = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+                staging.fail(filename, e, size)
+            start += entry.nbytes
+        staging.close(fd, filename, size)
+    index = None
     if split.is_sharded:
-        index = {
-            "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-            "weight_map": split.tensor_to_filename,
-        }
-        with open(index_path + PARTIAL, "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        os.replace(index_path + PARTIAL, index_path)
-    elif os.path.exists(index_path):
-        os.remove(index_path)  # a stale index would point at shards that are gone
+        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata}, "weight_map": split.tensor_to_filename}
+    if rank == 0:
+        if index is not None:
+            staging.write_file(SAFE_WEIGHTS_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        staging.write_configs(model, entries)
+    unchanged = f"nothing in {directory} changed (the new files were written aside and are removed)"
+    _agree(staging.failure, group, what="write the checkpoint", outcome=unchanged, cause=staging.cause)
+    failure = None
+    if rank == 0:
+        try:
+            _switch_gathered(staging, index)
+        except OSError as e:
+            failure = _Failure(e.errno, f"moving the new files into {directory}: {e}")
+    _agree(failure, group, what="switch to the new checkpoint", outcome="the folder loads the old or the new checkpoint")
 
 
-def _save_configs(model: Any, directory: str, entries: list[_Entry]) -> None:
-    config = copy.deepcopy(model.config)
-    floating = [e.dtype for e in entries if e.dtype.is_floating_point]
-    written = floating[0] if floating else model.dtype
-    config.dtype = str(written).split(".")[1]  # as transformers records it
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(directory)
-    if model.can_generate() and getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(directory)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sharded (no gather)
-# ---------------------------------------------------------------------------------------------------------
 def _local_part(entry: _Entry, rank: int) -> tuple[torch.Tensor | None, tuple[int, ...]]:
     """This rank's stored chunk of a tensor and its global offsets, or ``None`` if another rank stores it.
 
@@ -422,7 +688,7 @@ def _local_part(entry: _Entry, rank: int) -> tuple[torch.Tensor | None, tuple[in
     return t.to_local(), tuple(int(o) for o in offsets)
 
 
-def _save_sharded(model: Any, directory: str, entries: list[_Entry], group, rank: int) -> None:
+def _save_sharded(model: Any, directory: str, entries: list[_Entry], group, rank: int, staging: _Staging) -> None:
     from torch.distributed.checkpoint._hf_utils import (
         CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name,
     )
@@ -432,29 +698,30 @@ def _save_sharded(model: Any, directory: str, entries: list[_Entry], group, rank
         local, offsets = _local_part(entry, rank)
         if local is not None:
             parts.append((entry, local, offsets))
-    files = _Files(directory)
     if parts:
         name = _gen_file_name(1, 1, rank + 1)
         info = {e.name: {SAVED_OFFSETS_KEY: list(off)} for e, _, off in parts}
         metadata = {CUSTOM_METADATA_KEY: json.dumps(info), DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
-        try:
-            with files.open(name) as f:
-                f.write(_header([(e.name, e.dtype, tuple(local.shape)) for e, local, _ in parts], metadata))
+        header = _header([(e.name, e.dtype, tuple(local.shape)) for e, local, _ in parts], metadata)
+        size = len(header) + sum(e.dtype.itemsize * local.numel() for e, local, _ in parts)
+        fd = staging.create(name, size)
+        if fd is not None:
+            try:
+                _pwrite_all(fd, memoryview(header), 0)
+                offset = len(header)
                 for e, local, _ in parts:
-                    _write_tensor(f, local.to(e.dtype))
-        except OSError as e:
-            files.error = f"{os.path.join(directory, name)}: {e}"
-    written = [files.names]
+                    data = _tensor_bytes(local.to(e.dtype))
+                    _pwrite_all(fd, data, offset)
+                    offset += len(data)
+            except OSError as e:
+                staging.fail(name, e, size)
+            staging.close(fd, name, size)
+    if rank == 0:
+        staging.write_configs(model, entries)
+    written = [staging.names]
     if group is not None:
         written = [None] * dist.get_world_size(group)
-        dist.all_gather_object(written, files.names, group=group)
-    keep = {n for names in written for n in names}
-    pattern = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
-
-    def rank0_after() -> None:
-        # stale shards of an earlier save (e.g. with more ranks) would be read as part of this checkpoint
-        for stale in [n for n in os.listdir(directory) if pattern.fullmatch(n) and n not in keep]:
-            os.remove(os.path.join(directory, stale))
-        _save_configs(model, directory, entries)
-
-    _finish(files, group, rank, rank0_after)
+        dist.all_gather_object(written, staging.names, group=group)
+    unchanged = f"nothing in {directory} changed (the new files were written aside and are removed)"
+    _agree(staging.failure, group, what="write the checkpoint", outcome=unchanged, cause=staging.cause)
+    _switch_rank_files(staging, group, rank, keep={n for names in written for n in names})
