@@ -13,11 +13,14 @@ import copy
 import difflib
 import functools
 import inspect
+import json
 import os
+import re
 import time
+import traceback
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
 from transformers.modeling_utils import _get_dtype
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+from transformers.utils import CONFIG_NAME
 from transformers.utils.import_utils import is_env_variable_true
 from transformers.utils.loading_report import LoadStateDictInfo
 
@@ -371,21 +375,27 @@ def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str
         if not isinstance(config, PreTrainedConfig):
             if target.config_class is None:
                 raise ValueError(f"{target.__name__} does not define `config_class`; pass an explicit config.")
-            config, model_kwargs = target.config_class.from_pretrained(
-                config if config is not None else path, return_unused_kwargs=True, **hub, **overrides
+            config, model_kwargs = _load_config(
+                request,
+                lambda: target.config_class.from_pretrained(
+                    config if config is not None else path, return_unused_kwargs=True, **hub, **overrides
+                ),
             )
         else:
             config, model_kwargs = copy.deepcopy(config), overrides
         return target, config, model_kwargs
 
     if not isinstance(config, PreTrainedConfig):
-        config, model_kwargs = AutoConfig.from_pretrained(
-            config if config is not None else path,
-            return_unused_kwargs=True,
-            trust_remote_code=request.trust_remote_code,
-            code_revision=request.code_revision,
-            **hub,
-            **overrides,
+        config, model_kwargs = _load_config(
+            request,
+            lambda: AutoConfig.from_pretrained(
+                config if config is not None else path,
+                return_unused_kwargs=True,
+                trust_remote_code=request.trust_remote_code,
+                code_revision=request.code_revision,
+                **hub,
+                **overrides,
+            ),
         )
     else:
         config, model_kwargs = copy.deepcopy(config), overrides
@@ -412,6 +422,78 @@ def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str
             f"Its model types are: {', '.join(sorted(c.model_type for c in target._model_mapping.keys() if hasattr(c, 'model_type')))}."
         )
     return model_class, config, model_kwargs
+
+
+def _load_config(request: LoadRequest, load: Callable[[], tuple[Any, dict[str, Any]]]) -> tuple[Any, dict[str, Any]]:
+    """``load()`` (transformers' config loading), its errors about values wrapped into a ``ValueError`` that names the
+    config file and the field: transformers lets a ``KeyError`` (rope validation), a ``ZeroDivisionError`` (0 heads)
+    or a strict-dataclass validation error out as they are. Errors about files (``OSError``) and missing packages
+    (``ImportError``) pass unchanged: they already say what is missing."""
+    try:
+        return load()
+    except (OSError, ImportError):
+        raise
+    except Exception as e:
+        source = _config_source(request)
+        if source is None:
+            raise  # a local folder with no config.json: transformers' "Unrecognized model in ..." says so
+        raise ValueError(_config_error_message(e, source, request)) from e
+
+
+def _config_source(request: LoadRequest) -> str | None:
+    """The config file transformers read: a local file, or a description of the Hub repo's; None if there is none."""
+    config, subfolder = request.config, request.hub.subfolder
+    source = os.fspath(config) if config is not None else request.name_or_path
+    if os.path.isdir(source):
+        source = os.path.join(source, subfolder, CONFIG_NAME)
+        return source if os.path.isfile(source) else None
+    if os.path.isfile(source):
+        return source
+    return f"{CONFIG_NAME} of the Hub repo {source!r}" + (f" (subfolder {subfolder!r})" if subfolder else "")
+
+
+def _config_error_message(error: Exception, source: str, request: LoadRequest) -> str:
+    values: dict[str, Any] = {}
+    if os.path.isfile(source):
+        try:
+            with open(source, encoding="utf-8") as f:
+                values = dict(json.load(f))
+        except (OSError, ValueError, TypeError):
+            pass
+    overrides = dict(request.config_overrides)
+    fields = _fields_named(error, set(values) | set(overrides))
+    named = "; ".join(
+        f"{name}={_short(overrides[name])} (the keyword argument)" if name in overrides else f"{name}={_short(values[name])}"
+        for name in fields
+    )
+    return (
+        f"transformers could not build a config from {source}: {type(error).__name__}: {' '.join(str(error).split()).rstrip('.')}"
+        + (f" [field: {named}]" if named else "")
+        + ". Fix the value in that file (or the keyword argument), or pass a valid config=."
+    )
+
+
+def _fields_named(error: Exception, keys: set[str]) -> list[str]:
+    """The config fields an error from transformers' config code is about: the field of a strict-dataclass error,
+    else the config keys its message names, else those named in the code line that raised (``self.hidden_size %
+    self.num_attention_heads``), searched from the innermost frame out."""
+    text = str(error)
+    field = re.search(r"field '(\w+)'", text)
+    if field:
+        return [field.group(1)]
+    named = [k for k in dict.fromkeys(re.findall(r"\w+", text)) if k in keys]
+    if named:
+        return named
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        named = [k for k in dict.fromkeys(re.findall(r"\w+", frame.line or "")) if k in keys]
+        if named:
+            return named
+    return []
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _init_params(model_class: type) -> set[str]:

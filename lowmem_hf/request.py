@@ -11,6 +11,7 @@ import ast
 import functools
 import inspect
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -229,22 +230,25 @@ def _single_device(device: Any, device_map: Any) -> torch.device:
 
     With neither, the ambient device decides, exactly as in transformers (its own ``check_and_set_device_map``):
     a ``with torch.device(...)`` block or ``torch.set_default_device(...)`` is the load device, ``"cuda"`` means
-    this process's ``LOCAL_RANK``, and ``meta`` raises transformers' ``RuntimeError``.
+    this process's ``LOCAL_RANK``, and ``meta`` raises transformers' ``RuntimeError``. A ``meta`` passed as
+    ``device`` or ``device_map`` is ``UnsupportedArgumentError`` (the switch hands ``device_map='meta'`` to
+    transformers, which builds a model with no weights).
     """
+    given = device_map
     if device is None:  # ``device`` is lowmem_hf's own argument; transformers knows only device_map
         from transformers.integrations.accelerate import check_and_set_device_map
 
         device_map = check_and_set_device_map(device_map)
     if device_map is not None:
         if isinstance(device_map, dict):
-            values = set(str(torch.device(v) if isinstance(v, int) else v) for v in device_map.values())
+            values = set(str(_parse_device(v, "device_map", given)) if v != "disk" else v for v in device_map.values())
             if len(values) != 1:
                 raise UnsupportedArgumentError(
                     "device_map",
                     f"device_map={device_map!r} spreads the model over {sorted(values)}; lowmem_hf places the "
                     "whole model on one device. Pass device='cuda:0' (or a one-device map like {'': 0}).",
                 )
-            (mapped,) = values
+            mapped = next(iter(device_map.values()))
         elif isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
             raise UnsupportedArgumentError(
                 "device_map",
@@ -255,11 +259,61 @@ def _single_device(device: Any, device_map: Any) -> torch.device:
             mapped = device_map
         if mapped == "disk":
             raise UnsupportedArgumentError("device_map", "device_map='disk' (disk offload) is not supported; load to 'cpu'.")
-        mapped = torch.device(f"cuda:{mapped}" if isinstance(mapped, int) else mapped)
-        if device is not None and torch.device(device) != mapped:
+        mapped = _parse_device(mapped, "device_map", given)
+        if device is not None and _parse_device(device, "device") != mapped:
             raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them.")
         return mapped
-    return torch.device(device if device is not None else "cpu")
+    return _parse_device(device, "device") if device is not None else torch.device("cpu")
+
+
+def _parse_device(value: Any, argument: str, given: Any = None) -> torch.device:
+    """One device from ``device`` or a ``device_map`` value (an int is a CUDA index, as in transformers); ``given``
+    is the argument as the caller passed it, for the message."""
+    shown = _short(given if given is not None else value)
+    try:
+        device = torch.device(f"cuda:{value}" if isinstance(value, int) and not isinstance(value, bool) else value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"{argument}={shown} is not a device; pass 'cpu', 'cuda', 'cuda:0', a CUDA index or a torch.device."
+        ) from None
+    if device.type == "meta":
+        raise UnsupportedArgumentError(
+            argument,
+            f"{argument}={shown} would give a model with no weights, and lowmem_hf loads weights. For an empty model "
+            "use `with torch.device('meta'): AutoModelForCausalLM.from_config(config)`; to load, pass device='cpu' or "
+            "a CUDA device.",
+        )
+    return device
+
+
+def _check_config(config: Any) -> None:
+    from transformers import PreTrainedConfig
+
+    if config is not None and not isinstance(config, (str, os.PathLike, PreTrainedConfig)):
+        raise TypeError(
+            f"config must be a transformers config (PreTrainedConfig), a path to a folder or a config.json, or None "
+            f"(the checkpoint's own config.json), got {type(config).__name__} {_short(config)}."
+        )
+
+
+def _check_key_mapping(key_mapping: Any) -> None:
+    """transformers' ``key_mapping``: ``{regex: replacement}``, applied with ``re.sub`` to every checkpoint key."""
+    if key_mapping is None:
+        return
+    if not isinstance(key_mapping, Mapping):
+        raise TypeError(f"key_mapping must be a dict of {{regex: replacement}}, got {type(key_mapping).__name__} {_short(key_mapping)}.")
+    for pattern, replacement in key_mapping.items():
+        if not isinstance(pattern, str) or not isinstance(replacement, str):
+            raise TypeError(
+                f"key_mapping entries must be str regex -> str replacement, got {_short(pattern)}: {_short(replacement)}."
+            )
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(
+                f"key_mapping[{pattern!r}] is not a regular expression: {e}. Keys are regexes applied with re.sub; "
+                "escape literal characters (re.escape)."
+            ) from None
 
 
 def make_request(
@@ -314,8 +368,11 @@ def make_request(
     always streams (transformers 5 ignores ``low_cpu_mem_usage`` too).
 
     Raises:
-        UnsupportedArgumentError: a transformers argument lowmem_hf does not implement (names it).
-        ValueError: a bad dtype, dtype policy, fetch mode, chunk size or device combination.
+        UnsupportedArgumentError: a transformers argument lowmem_hf does not implement (names it), or the meta
+            device (``device``/``device_map``), which would give a model with no weights.
+        ValueError: a bad dtype (one transformers does not load floats into), dtype policy, fetch mode, chunk size,
+            device or device combination, or a ``key_mapping`` key that is not a regex.
+        TypeError: a ``config`` that is neither a config, a path nor None; a ``key_mapping`` that is not a str dict.
     """
     for name in sorted(n for n in config_overrides if n in NOT_IMPLEMENTED):
         value = config_overrides.pop(name)
@@ -335,6 +392,8 @@ def make_request(
         argument = "torch_dtype" if torch_dtype is not None else "dtype"
         requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
     check_dtype_policy(dtype_policy)
+    _check_config(config)
+    _check_key_mapping(key_mapping)
     if fetch not in FETCH_MODES:
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:

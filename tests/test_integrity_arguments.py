@@ -1,0 +1,158 @@
+"""Every argument is checked with a named error (the argument, the value, the fix), before anything is read; and
+transformers' own config errors come out naming the config file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import lowmem_hf
+from lowmem_hf import UnsupportedArgumentError, make_request
+from lowmem_hf.patch import FallbackWarning
+
+Auto = transformers.AutoModelForCausalLM
+load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
+NOT_LOADED = [torch.int8, torch.uint8, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.fixture
+def llama(make_checkpoint, tmp_path):
+    """A copy of the tiny Llama checkpoint whose config.json a test may edit."""
+    path = tmp_path / "llama"
+    shutil.copytree(make_checkpoint("llama", "safetensors"), path)
+    return path
+
+
+def _edit_config(path, **changes) -> str:
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return config_file
+
+
+@pytest.mark.parametrize("dtype", NOT_LOADED, ids=str)
+def test_dtype_overrides_refuse_a_dtype_transformers_never_loads_floats_into(dtype):
+    with pytest.raises(ValueError, match=rf"dtype_overrides\['\*\.weight'\]={dtype}: transformers loads floating tensors only into"):
+        make_request(Auto, "x", dtype_overrides={"*.weight": dtype})
+
+
+def test_dtype_override_int8_used_to_cast_every_weight(llama):
+    with pytest.raises(ValueError, match=r"dtype_overrides\['\*\.weight'\]=torch\.int8.*integer dtype"):
+        load(llama, dtype_overrides={"*.weight": torch.int8})
+
+
+@pytest.mark.parametrize("argument", ["torch_dtype", "dtype"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.complex64], ids=str)
+def test_the_declared_dtype_must_be_one_transformers_builds_models_in(argument, dtype):
+    with pytest.raises(ValueError, match=rf"^{argument}={dtype}: transformers loads floating tensors only into .*Choose one"):
+        make_request(Auto, "x", **{argument: dtype})
+
+
+def test_dtype_policy_loaded_refuses_a_float8_tensor_it_would_keep(llama):
+    weights = os.path.join(llama, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.up_proj\.weight is stored as torch\.float8_e4m3fn; dtype_policy='loaded' keeps .*"
+        r"dtype_policy='declared'",
+    ):
+        load(llama, dtype_policy="loaded")
+    # 'declared' casts it, as transformers does
+    ours, theirs = load(llama), Auto.from_pretrained(llama)
+    assert ours.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert torch.equal(ours.model.layers[0].mlp.up_proj.weight, theirs.model.layers[0].mlp.up_proj.weight)
+
+
+def test_save_dtype_must_be_a_float_dtype(llama, tmp_path):
+    model = load(llama)
+    with pytest.raises(ValueError, match=r"^dtype=torch\.int8: transformers loads floating tensors only into"):
+        lowmem_hf.save_pretrained(model, tmp_path / "out", dtype=torch.int8)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_mapping_that_is_not_a_regex_is_named():
+    with pytest.raises(ValueError, match=r"key_mapping\['\('\] is not a regular expression: missing \).*re\.escape"):
+        make_request(Auto, "x", key_mapping={"(": "x"})
+    with pytest.raises(TypeError, match=r"key_mapping must be a dict of \{regex: replacement\}, got list"):
+        make_request(Auto, "x", key_mapping=[("a", "b")])
+    with pytest.raises(TypeError, match=r"key_mapping entries must be str regex -> str replacement, got 'a': 1"):
+        make_request(Auto, "x", key_mapping={"a": 1})
+
+
+@pytest.mark.parametrize("kwargs, shown", [
+    (dict(device="bogus"), "device='bogus'"),
+    (dict(device=True), "device=True"),
+    (dict(device_map={"": "bogus"}), r"device_map=\{'': 'bogus'\}"),
+])
+def test_a_device_that_is_not_one_is_named(kwargs, shown):
+    with pytest.raises(ValueError, match=rf"^{shown} is not a device; pass 'cpu'"):
+        make_request(Auto, "x", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, argument", [(dict(device="meta"), "device"), (dict(device_map="meta"), "device_map")])
+def test_the_meta_device_is_refused_naming_the_argument(kwargs, argument):
+    with pytest.raises(UnsupportedArgumentError, match=rf"^{argument}='meta' would give a model with no weights") as e:
+        make_request(Auto, "x", **kwargs)
+    assert e.value.argument == argument
+
+
+def test_device_map_meta_under_the_switch_is_what_transformers_does(llama):
+    """transformers builds a model with no weights for device_map='meta'; the switch hands the call to it."""
+    with lowmem_hf.patch_transformers(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = Auto.from_pretrained(llama, device_map="meta")
+    assert [w for w in caught if issubclass(w.category, FallbackWarning) and "'device_map'" in str(w.message)]
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert not lowmem_hf.is_patched()
+
+
+def test_config_must_be_a_config_or_a_path_not_a_hub_id():
+    with pytest.raises(TypeError, match=r"^config must be a transformers config .*got int 5\."):
+        make_request(Auto, "x", config=5)
+
+
+@pytest.mark.parametrize("changes, cause, field", [
+    (dict(num_attention_heads=0), "ZeroDivisionError", r"hidden_size=64; num_attention_heads=0"),
+    (dict(vocab_size="abc"), "StrictDataclassFieldValidationError", r"vocab_size='abc'"),
+    (dict(rope_parameters={"rope_type": "linear"}), "KeyError", r"rope_parameters=\{'rope_type': 'linear'\}"),
+], ids=["zero-heads", "wrong-type", "rope-missing-key"])
+def test_transformers_config_errors_name_the_file_and_the_field(llama, changes, cause, field):
+    config_file = _edit_config(llama, **changes)
+    for call in (lambda: load(llama), lambda: lowmem_hf.load.load(make_request(transformers.LlamaForCausalLM, str(llama)))):
+        with pytest.raises(ValueError, match=rf"could not build a config from {config_file}: {cause}: .*\[field: {field}\]") as e:
+            call()
+        assert type(e.value.__cause__).__name__ == cause
+
+
+def test_a_config_error_from_a_keyword_override_says_so(llama):
+    with pytest.raises(ValueError, match=r"\[field: vocab_size='abc' \(the keyword argument\)\]"):
+        load(llama, vocab_size="abc")
+
+
+def test_a_config_file_passed_as_config_is_the_one_named(llama, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(os.path.join(llama, "config.json"), other / "config.json")
+    config_file = _edit_config(other, num_attention_heads=0)
+    with pytest.raises(ValueError, match=rf"could not build a config from {config_file}: ZeroDivisionError"):
+        load(llama, config=str(other))
+    with pytest.raises(ValueError, match=rf"could not build a config from {config_file}: ZeroDivisionError"):
+        load(llama, config=config_file)
+
+
+def test_a_folder_without_config_json_keeps_transformers_own_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^Unrecognized model in .*empty"):
+        load(tmp_path / "empty")
