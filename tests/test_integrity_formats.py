@@ -1,8 +1,8 @@
 """Every checkpoint file is validated as strictly as its format: a damaged file is a named error, never wrong weights.
 
 safetensors headers are checked as the safetensors library checks them (and transformers, through it, refuses the
-same files); ``.bin`` archives against their own zip directory, and read with ``pread`` so a file cut under the
-load is an error, not a SIGBUS.
+same files); DCP metadata as DCP checks what it saves; ``.bin`` archives against their own zip directory, and read
+with ``pread`` so a file cut under the load is an error, not a SIGBUS.
 """
 
 import json
@@ -185,6 +185,136 @@ def test_a_remote_header_read_by_ranges_is_validated_the_same(hf_hub, make_check
     with pytest.raises(CorruptCheckpointError) as e:
         Causal.from_pretrained("org/llama", fetch="ranges")
     assert "model-00002-of-00003.safetensors: the data section breaks the safetensors rule 'data section covered'" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DCP metadata
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def llama_dcp(tmp_path):
+    """A one-process ``dcp.save`` of a tiny Llama (every tensor one chunk) and its config."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False))
+    path = tmp_path / "dcp"
+    dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
+    model.config.save_pretrained(path)
+    return model, path
+
+
+def rewrite_metadata(path, change) -> None:
+    import pickle
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    change(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def move_chunk(metadata, key, offsets=None, sizes=None, storage=None):
+    """Re-file ``key``'s only chunk at ``offsets``/``sizes`` (its storage entry follows it), or point it at ``storage``."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    entry = metadata.state_dict_metadata[key]
+    (chunk,) = entry.chunks
+    info = metadata.storage_data.pop(MetadataIndex(key, chunk.offsets))
+    new = ChunkStorageMetadata(offsets=offsets or chunk.offsets, sizes=sizes or chunk.sizes)
+    entry.chunks = [new]
+    metadata.storage_data[MetadataIndex(key, new.offsets)] = storage or info
+    return info
+
+
+def test_dcp_chunk_outside_its_tensor_is_refused(llama_dcp):
+    import torch
+
+    _, path = llama_dcp
+    key = "model.layers.0.mlp.up_proj.weight"  # [128, 64]
+    rewrite_metadata(path, lambda m: move_chunk(m, key, offsets=torch.Size([1, 0])))
+    with pytest.raises(CorruptCheckpointError) as e:
+        Causal.from_pretrained(path)
+    assert f"{path / '.metadata'}: {key!r} (chunk at [1, 0]) breaks the DCP rule 'chunk inside its tensor': expected a box inside " \
+           "the tensor's shape [128, 64], found offsets [1, 0], sizes [128, 64]." in str(e.value)
+
+
+def test_dcp_overlapping_chunks_are_refused(llama_dcp):
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    _, path = llama_dcp
+    key = "model.layers.0.mlp.up_proj.weight"
+
+    def overlap(metadata):
+        entry = metadata.state_dict_metadata[key]
+        (whole,) = entry.chunks
+        half = ChunkStorageMetadata(offsets=torch.Size([64, 0]), sizes=torch.Size([64, 64]))
+        entry.chunks = [whole, half]
+        metadata.storage_data[MetadataIndex(key, half.offsets)] = metadata.storage_data[MetadataIndex(key, whole.offsets)]
+
+    rewrite_metadata(path, overlap)
+    with pytest.raises(CorruptCheckpointError) as e:
+        Causal.from_pretrained(path)
+    assert f"{key!r} breaks the DCP rule 'chunks do not overlap': expected chunks that share no element, found chunk at [0, 0] " \
+           "(sizes [128, 64]) overlapping chunk at [64, 0] (sizes [64, 64])" in str(e.value)
+
+
+def test_dcp_byte_range_outside_its_file_is_refused(llama_dcp):
+    import dataclasses
+
+    _, path = llama_dcp
+    key = "model.norm.weight"
+
+    def before_the_file(metadata):
+        stored = move_chunk(metadata, key)
+        move_chunk(metadata, key, storage=dataclasses.replace(stored, offset=-256))
+
+    rewrite_metadata(path, before_the_file)
+    with pytest.raises(CorruptCheckpointError, match=rf"{key!r} \(chunk at \[0\]\) breaks the DCP rule 'byte range inside its file'"):
+        Causal.from_pretrained(path)
+
+
+def test_dcp_chunk_reading_another_chunks_bytes_is_refused(llama_dcp):
+    # two same-shaped tensors: pointing one at the other's bytes would load a copy of the other, silently
+    _, path = llama_dcp
+    src, dst = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"
+
+    def alias(metadata):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        (chunk,) = metadata.state_dict_metadata[src].chunks
+        move_chunk(metadata, dst, storage=metadata.storage_data[MetadataIndex(src, chunk.offsets)])
+
+    rewrite_metadata(path, alias)
+    with pytest.raises(CorruptCheckpointError, match="breaks the DCP rule 'byte ranges do not overlap'") as e:
+        Causal.from_pretrained(path)
+    assert src in str(e.value) and dst in str(e.value)
+
+
+def test_dcp_tensor_not_saved_whole_is_refused_before_any_read(llama_dcp):
+    import torch
+
+    _, path = llama_dcp
+    key = "model.layers.1.mlp.down_proj.weight"  # [64, 128]: keep only its first 32 rows
+    rewrite_metadata(path, lambda m: move_chunk(m, key, sizes=torch.Size([32, 128])))
+    with pytest.raises(CorruptCheckpointError, match=rf"{key!r} breaks the DCP rule 'chunks cover what is read': expected stored "
+                                                      r"chunks holding the 8192 elements this rank reads .*found 4096 stored"):
+        Causal.from_pretrained(path)
+
+
+def test_dcp_checks_do_not_refuse_a_sharded_save():
+    # uneven shards of a tensor, one per rank, and an empty one: DCP's own layout passes
+    import torch
+    from lowmem_hf.formats.dcp import StoredChunk, check_chunks
+
+    def chunk(offsets, sizes):
+        return StoredChunk("f", tuple(offsets), tuple(sizes), torch.float32, 0, 1, raw=True)
+
+    check_chunks("w", (5, 4), (chunk([0, 0], [3, 4]), chunk([3, 0], [2, 4]), chunk([5, 0], [0, 4])), where="ckpt")
+    check_chunks("w", (4, 6), (chunk([0, 0], [4, 3]), chunk([0, 3], [4, 3])), where="ckpt")
+    with pytest.raises(CorruptCheckpointError, match="chunks do not overlap"):
+        check_chunks("w", (4, 6), (chunk([0, 0], [4, 3]), chunk([2, 2], [2, 4])), where="ckpt")
 
 
 # ---------------------------------------------------------------------------------------------------------

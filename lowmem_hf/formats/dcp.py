@@ -16,20 +16,21 @@ reading only the part of a chunk that overlaps this rank's slice. DCP's ``FileSy
 chunks; the safetensors reader maps whole files. Here each rank reads only the byte runs of the overlap
 from its byte source (``LocalFiles``: ``preadv``), straight into its destination, through the same staging as
 the Hub-format readers.
+
+Also ours: checking the metadata before any tensor byte is read, with the rules DCP applies to what it saves
+(``check_chunks``: every chunk a box inside its tensor, no two sharing an element), every byte range inside its
+file and no two overlapping, and every element this rank reads stored (``check_covered``); each ``.distcp`` item is
+checked as a ``.bin`` archive is (``torch_pickle.read_archive``), and ``shard-*`` files as any safetensors file.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import io
 import math
 import os
-import pickle
 import re
 import sys
 import threading
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -39,14 +40,16 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKey
 from ..plan.sharding import box_runs, overlap, split_runs, wanted_box
 from ..sources import ByteSource
 from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
-from . import safetensors
-from .base import Reader, Staging, StreamStats, byte_view
+from . import safetensors, torch_pickle
+from .base import Reader, SourceFile, Staging, StreamStats, byte_view
 
 __all__ = [
     "StoredChunk",
     "DcpLayout",
     "is_dcp_dir",
     "read_layout",
+    "check_chunks",
+    "check_covered",
     "check_complete",
     "DcpReader",
     "open_reader",
@@ -149,7 +152,12 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
             continue  # non-tensor state (bytes) has no place in a model
         stored = []
         for chunk in entry.chunks:
-            storage = metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            storage = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if storage is None:
+                raise _dcp_error(
+                    metadata_path, f"{key!r} (chunk at {list(chunk.offsets)})", "every chunk stored",
+                    "an entry in storage_data saying which file holds it", "none",
+                )
             path = os.path.join(directory, storage.relative_path)
             if storage.transform_descriptors:
                 raise NotImplementedError(
@@ -158,19 +166,26 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
                 )
             if path not in sizes:
                 sizes[path] = os.path.getsize(path) if os.path.isfile(path) else -1
+            subject = f"{key!r} (chunk at {list(chunk.offsets)})"
+            if storage.offset < 0 or storage.length <= 0:
+                raise _dcp_error(
+                    metadata_path, subject, "byte range inside its file", f"a non-empty byte range of {path}",
+                    f"[{storage.offset}, {storage.offset + storage.length})",
+                )
             if storage.offset + storage.length > sizes[path]:
                 found = "is missing" if sizes[path] < 0 else f"has {sizes[path]} bytes"
                 raise CorruptCheckpointError(
-                    f"{path}: {key!r} (chunk at {list(chunk.offsets)}) is stored in bytes "
-                    f"[{storage.offset}, {storage.offset + storage.length}) but the file {found}. "
-                    "The file is truncated: copy it again or re-save the checkpoint."
+                    f"{path}: {subject} is stored in bytes [{storage.offset}, {storage.offset + storage.length}) but the "
+                    f"file {found} (rule 'byte range inside its file'). The file is truncated: copy it again or re-save the checkpoint."
                 )
             stored.append(StoredChunk(
                 file=path, offsets=tuple(chunk.offsets), sizes=tuple(chunk.sizes), dtype=entry.properties.dtype,
                 byte_offset=storage.offset, byte_length=storage.length, raw=False,
             ))
         chunks[key] = tuple(stored)
+        check_chunks(key, tuple(entry.size), chunks[key], where=metadata_path)
         infos[key] = _tensor_info(key, chunks[key], entry.properties.dtype, tuple(entry.size))
+    _check_byte_ranges(chunks, where=metadata_path)
     return DcpLayout("distcp", chunks), infos, os.path.getsize(metadata_path)
 
 
@@ -187,7 +202,13 @@ def _read_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[
         header_bytes += nbytes
         for key, info in infos.items():
             offsets[(path, key)] = info
-    metadata = HuggingFaceStorageReader(directory).read_metadata()
+    try:
+        metadata = HuggingFaceStorageReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - safetensors, json and KeyError on a damaged DCP_SHARDING_INFO
+        raise CorruptCheckpointError(
+            f"{directory}: torch.distributed.checkpoint could not read the sharded checkpoint's metadata "
+            f"({type(e).__name__}: {e}). The checkpoint is incomplete or corrupt: save it again."
+        ) from e
     chunks: dict[str, list[StoredChunk]] = {}
     for index, storage in metadata.storage_data.items():
         path = os.path.abspath(storage.relative_path)
@@ -197,11 +218,108 @@ def _read_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[
             byte_offset=info.offset, byte_length=info.nbytes, raw=True,
         ))
     layout = DcpLayout("hf_sharded", {k: tuple(sorted(v, key=lambda c: c.offsets)) for k, v in chunks.items()})
+    for key, entry in metadata.state_dict_metadata.items():
+        check_chunks(key, tuple(entry.size), layout.chunks[key], where=directory)
     infos = {
         key: _tensor_info(key, layout.chunks[key], entry.properties.dtype, tuple(entry.size))
         for key, entry in metadata.state_dict_metadata.items()
     }
     return layout, infos, header_bytes
+
+
+_RESAVE_DCP = "The checkpoint is corrupt: save it again."
+
+
+def _dcp_error(where: str, subject: str, rule: str, expected: str, found: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {subject} breaks the DCP rule {rule!r}: expected {expected}, found {found}. {_RESAVE_DCP}")
+
+
+def _boxes_overlap(a: StoredChunk, b: StoredChunk) -> bool:
+    return all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def _first_overlap(chunks: tuple[StoredChunk, ...]) -> tuple[StoredChunk, StoredChunk] | None:
+    """Two chunks sharing an element, or None: a sweep along the longest dim, as DCP's own save-time check does."""
+    filled = [c for c in chunks if math.prod(c.sizes) > 0]
+    if len(filled) < 2:
+        return None
+    if not filled[0].offsets:  # a scalar stored twice
+        return filled[0], filled[1]
+    dim = max(range(len(filled[0].offsets)), key=lambda d: max(c.offsets[d] + c.sizes[d] for c in filled))
+    active: list[StoredChunk] = []
+    for chunk in sorted(filled, key=lambda c: c.offsets[dim]):
+        active = [a for a in active if a.offsets[dim] + a.sizes[dim] > chunk.offsets[dim]]
+        for other in active:
+            if _boxes_overlap(chunk, other):
+                return other, chunk
+        active.append(chunk)
+    return None
+
+
+def check_chunks(key: str, size: tuple[int, ...], chunks: tuple[StoredChunk, ...], *, where: str) -> None:
+    """DCP's own rules for what it saves (``default_planner._validate_global_plan``), checked on what is read:
+    every chunk a box inside its tensor, no two chunks sharing an element.
+
+    Raises:
+        CorruptCheckpointError: naming the key, the rule, what was expected and what was found.
+    """
+    for c in chunks:
+        if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)
+        ):
+            raise _dcp_error(
+                where, f"{key!r} (chunk at {list(c.offsets)})", "chunk inside its tensor", f"a box inside the tensor's shape {list(size)}",
+                f"offsets {list(c.offsets)}, sizes {list(c.sizes)}",
+            )
+    pair = _first_overlap(chunks)
+    if pair is not None:
+        a, b = pair
+        raise _dcp_error(
+            where, f"{key!r}", "chunks do not overlap", "chunks that share no element",
+            f"chunk at {list(a.offsets)} (sizes {list(a.sizes)}) overlapping chunk at {list(b.offsets)} (sizes {list(b.sizes)})",
+        )
+
+
+def _check_byte_ranges(chunks: Mapping[str, tuple[StoredChunk, ...]], *, where: str) -> None:
+    """No two stored chunks share a byte of a file (one would read the other's values)."""
+    by_file: dict[str, list[tuple[int, int, str, StoredChunk]]] = {}
+    for key, stored in chunks.items():
+        for c in stored:
+            by_file.setdefault(c.file, []).append((c.byte_offset, c.byte_offset + c.byte_length, key, c))
+    for file, ranges in by_file.items():
+        ranges.sort(key=lambda r: r[:2])
+        for (_, prev_end, prev_key, prev), (start, end, key, c) in zip(ranges, ranges[1:]):
+            if start < prev_end:
+                raise _dcp_error(
+                    where, f"{key!r} (chunk at {list(c.offsets)})", "byte ranges do not overlap",
+                    f"bytes of {file} from {prev_end} on (after {prev_key!r}, chunk at {list(prev.offsets)})",
+                    f"[{start}, {end})",
+                )
+
+
+def check_covered(checkpoint: Checkpoint, plan: LoadPlan) -> None:
+    """Every element the plan reads is in a stored chunk (chunks do not overlap: ``check_chunks``), before any byte
+    is read: a tensor that was not saved whole is an error, not uninitialized memory.
+
+    Raises:
+        CorruptCheckpointError: naming the key and how much of what this rank reads is stored.
+    """
+    reads = [(r.source, r.shard) for r in plan.reads]
+    reads += [(info, None) for s in plan.submodules for c in s.conversions for _, info in c.sources]
+    for info, shard in reads:
+        start, stop = wanted_box(info.shape, shard)
+        needed = math.prod(b - a for a, b in zip(start, stop))
+        covered = 0
+        for chunk in checkpoint.layout.chunks[info.key]:
+            box = overlap(chunk.offsets, chunk.sizes, start, stop)
+            if box is not None:
+                covered += math.prod(h - l for l, h in zip(*box))
+        if covered != needed:
+            raise _dcp_error(
+                checkpoint.name_or_path, f"{info.key!r}", "chunks cover what is read",
+                f"stored chunks holding the {needed} elements this rank reads ([{list(start)}, {list(stop)}) of global shape {list(info.shape)})",
+                f"{covered} stored (chunks at {[list(c.offsets) for c in checkpoint.layout.chunks[info.key]]}). The checkpoint is incomplete",
+            )
 
 
 def check_complete(model: Any, plan: LoadPlan, checkpoint: Checkpoint) -> None:
@@ -226,60 +344,6 @@ def check_complete(model: Any, plan: LoadPlan, checkpoint: Checkpoint) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Read
 # ---------------------------------------------------------------------------------------------------------
-class _FileView(io.RawIOBase):
-    """A read-only window ``[offset, offset + length)`` of a file, read from a byte source: what ``torch.load`` and
-    the zip reader need to look inside one ``.distcp`` item without reading its neighbours (DCP's own view cannot
-    ``read()`` to the end, which ``zipfile`` needs)."""
-
-    def __init__(self, source: ByteSource, file: str, offset: int, length: int, counter: Callable[[int], None]):
-        super().__init__()
-        self._source, self._file = source, file
-        self._offset, self._length, self._pos, self._count = offset, length, 0, counter
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
-        if n <= 0:
-            return 0
-        self._source.read(self._file, view[:n], self._offset + self._pos)
-        self._pos += n
-        self._count(n)
-        return n
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Reads the ``data.pkl`` of a one-tensor ``torch.save`` archive into ``{key, offset, size, stride}``.
-
-    Only the names such a pickle uses are allowed (anything else raises, as ``weights_only`` would); it reads
-    the few hundred bytes of the pickle, where ``torch.load(map_location="meta")`` reads several KiB per item.
-    """
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: {"key": storage, "offset": offset, "size": size, "stride": stride}
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a one-tensor torch.save pickle")
-
-    def persistent_load(self, pid):
-        return pid[2]  # ('storage', storage type, key, location, numel)
-
-
 @dataclass(frozen=True)
 class _Located:
     """Where a chunk's raw row-major bytes start, or the whole tensor when they are not raw."""
@@ -318,43 +382,32 @@ class DcpReader(Reader):
             self._extra += n
 
     def _locate(self, chunk: StoredChunk) -> _Located:
-        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed record. Read the
-        archive's directory, its pickle and the record's local header (about 1 KiB) to find where they start; a
-        tensor stored with other strides or byte order is loaded whole instead (the minimal unit then)."""
+        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed member. Read the
+        archive's directory, its pickle and the member's local header (about 1 KiB), each checked as a ``.bin``
+        archive is (``torch_pickle.read_archive``), to find where they start; a tensor stored with other strides or
+        byte order is loaded whole instead (the minimal unit then)."""
         if chunk.raw:
             return _Located(chunk.byte_offset)
         found = self._located.get(chunk)
         if found is not None:
             return found
-        try:
-            view = _FileView(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
-            archive = zipfile.ZipFile(view)
-            entries = {i.filename.partition("/")[2]: i for i in archive.infolist()}
-            tensor = _TensorPickle(io.BytesIO(archive.read(entries["data.pkl"]))).load()
-            record = entries.get(f"data/{tensor['key']}")
-            little = "byteorder" not in entries or archive.read(entries["byteorder"]) == b"little"
-            if record is None or record.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"no uncompressed record data/{tensor['key']}")
-            # the data starts after the record's local header (30 bytes + name + the alignment padding torch adds)
-            view.seek(record.header_offset)
-            local = view.read(30)
-            data_offset = record.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-        except Exception as e:  # the zip reader and unpickler raise many types on damaged bytes
+        where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
+        view = SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
+        archive = torch_pickle.read_archive(view, name=where)
+        tensor = torch_pickle.unpickle_locations(view, archive, name=where)
+        if not isinstance(tensor, torch_pickle.StoredTensor):
+            raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
+        member = torch_pickle.check_in_storage(f"chunk at {list(chunk.offsets)}", tensor, archive, name=where)
+        if tensor.shape != chunk.sizes or tensor.dtype != chunk.dtype:
             raise CorruptCheckpointError(
-                f"{chunk.file}: the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}) "
-                f"is not a readable torch.save archive of one tensor ({type(e).__name__}: {e}). The file is corrupt: save it again."
-            ) from e
-        if tuple(tensor["size"]) != chunk.sizes:
-            raise CorruptCheckpointError(
-                f"{chunk.file}: the item at byte {chunk.byte_offset} holds a tensor of shape {list(tensor['size'])}, "
-                f"the checkpoint metadata says {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
+                f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
+                f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
             )
-        row_major = tuple(tensor["stride"]) == tuple(math.prod(chunk.sizes[d + 1 :]) for d in range(len(chunk.sizes)))
-        if row_major and tensor["offset"] == 0 and little == (sys.byteorder == "little"):
-            located = _Located(chunk.byte_offset + data_offset)
+        if tensor.row_major and torch_pickle.byte_order(view, archive) == sys.byteorder:
+            located = _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
         else:
             whole = torch.load(
-                _FileView(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
+                SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
             )
             self._stats.staged(whole.nbytes)
             self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
@@ -369,7 +422,6 @@ class DcpReader(Reader):
         start, stop = wanted_box(info.shape, shard)
         local = tuple(b - a for a, b in zip(start, stop))
         jobs: list[Callable[[], None]] = []
-        covered = 0
         for chunk in self._layout.chunks[info.key]:
             box = overlap(chunk.offsets, chunk.sizes, start, stop)
             if box is None:
@@ -377,17 +429,10 @@ class DcpReader(Reader):
             self._stats.opened(chunk.file)
             lo, hi = box
             size = tuple(h - l for l, h in zip(lo, hi))
-            covered += math.prod(size)
             runs = box_runs(
                 chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
             )
             jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
-        if covered != math.prod(local):
-            raise CorruptCheckpointError(
-                f"{info.key}: the stored chunks cover {covered} of the {math.prod(local)} elements this rank needs "
-                f"(global shape {list(info.shape)}, chunks {[list(c.offsets) for c in self._layout.chunks[info.key]]}). "
-                "The checkpoint is incomplete: save it again."
-            )
         return jobs
 
     def _read(self, chunk: StoredChunk, dst: torch.Tensor, job: list[tuple[int, int, int]]) -> None:
@@ -426,6 +471,7 @@ class DcpReader(Reader):
 def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
     """The reader of a sharded training checkpoint (``checkpoint.layout``). ``.distcp`` items are read as raw bytes;
     the rare chunk stored with other strides is loaded with ``weights_only=True`` whatever ``weights_only`` says."""
+    check_covered(checkpoint, plan)
     return DcpReader(checkpoint.layout, chunk_bytes, stats, source)
 
 
