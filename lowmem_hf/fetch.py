@@ -3,21 +3,27 @@
 - ``fetch_files``: download into the standard HF cache only the files the plan touches
   (``hf_hub_download``: its locks make concurrent ranks on one machine download each file once). Each file
   downloaded here is checked before the stream reads it (``hub.download``): the size and etag it was planned
-  with, and for LFS files the sha256 the Hub publishes (``verify``).
+  with, and for LFS files the sha256 the Hub publishes (``verify``). Files download concurrently, as
+  ``snapshot_download`` does, so one file's hashing overlaps the next one's download.
 - ``fetch="ranges"``: no file is downloaded; the byte sources ``sources.http.HttpRanges`` (one process) and
   ``sources.exchange.CooperativeRanges`` (under a process group) fetch exactly the planned byte ranges.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
+
+from transformers.utils.import_utils import is_env_variable_true
 
 from .hub import download
 from .types import Checkpoint
 
-__all__ = ["fetch_files", "FETCH_MODES"]
+__all__ = ["fetch_files", "FETCH_MODES", "DOWNLOAD_WORKERS"]
 
 FETCH_MODES = ("files", "ranges")
+DOWNLOAD_WORKERS = 8
+"""Files downloaded (and hashed) at once: huggingface_hub's ``snapshot_download`` default."""
 
 
 def fetch_files(
@@ -33,10 +39,12 @@ def fetch_files(
         CorruptDownloadError: a file's sha256 differs from the Hub's, twice (it is removed from the cache).
     """
     paths = dict(checkpoint.local_paths)
-    for repo_path in needed:
-        if repo_path in paths:
-            continue
-        paths[repo_path] = download(
+    todo = [p for p in dict.fromkeys(needed) if p not in paths]
+    if not todo:
+        return paths
+
+    def one(repo_path: str) -> str:
+        return download(
             checkpoint.repo_id,
             repo_path,
             revision=checkpoint.commit,
@@ -45,4 +53,13 @@ def fetch_files(
             verify=verify,
             tqdm_class=tqdm_class,
         )
+
+    if is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD"):  # transformers' switch: no thread started, as load.py reads it
+        paths.update((p, one(p)) for p in todo)
+        return paths
+    executor = ThreadPoolExecutor(max_workers=min(DOWNLOAD_WORKERS, len(todo)), thread_name_prefix="lowmem-download")
+    try:
+        paths.update(zip(todo, executor.map(one, todo)))  # the first failure (in plan order) is raised
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)  # no download left running behind an error
     return paths

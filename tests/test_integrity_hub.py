@@ -300,3 +300,13 @@ def test_cached_hub_file_that_links_outside_the_repo_cache_is_refused(hf_hub, ma
         Causal.from_pretrained("org/llama")
     assert f"{name!r}: a symlink to {outside}" in str(e.value) and "models--org--llama" in str(e.value)
     assert str(outside) not in opened
+
+
+def test_files_download_on_the_calling_thread_under_hf_deactivate_async_load(lfs_hub, make_checkpoint, monkeypatch):
+    import lowmem_hf.fetch
+
+    local = make_checkpoint("llama", "sharded")
+    lfs_hub.add_repo("org/llama", local)
+    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")
+    monkeypatch.setattr(lowmem_hf.fetch, "ThreadPoolExecutor", None)  # starting download threads would fail
+    assert_same(Causal.from_pretrained("org/llama"), Causal.from_pretrained(local))
