@@ -127,7 +127,7 @@ def read_archive(f: BinaryIO, *, name: str) -> Archive:
             raise _member_error(name, info.filename, "stored", "uncompressed (method 0)", f"method {info.compress_type}/{method}")
         if info.compress_size != info.file_size:
             raise _member_error(
-                name, info.filename, "member sizes", f"equal stored and original sizes for an uncompressed member",
+                name, info.filename, "member sizes", "equal stored and original sizes for an uncompressed member",
                 f"{info.compress_size} and {info.file_size} bytes in the central directory",
             )
         data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
@@ -405,6 +405,7 @@ class TorchReader(RangeReader):
         self._opened: dict[str, _Opened] = {}
 
     def _open(self, file: str) -> _Opened:
+        """The shard as it is now, read through the source's descriptor (the one every tensor read uses) once."""
         opened = self._opened.get(file)
         if opened is not None:
             return opened
