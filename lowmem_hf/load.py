@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
@@ -148,7 +149,8 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     config.name_or_path = request.name_or_path
 
     # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
-    model = build_on_meta(model_class, config, main_dtype, request.model_args, model_kwargs)
+    with _zero3.partitions_without_broadcast() if zero3 else contextlib.nullcontext():
+        model = build_on_meta(model_class, config, main_dtype, request.model_args, model_kwargs)
 
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
