@@ -25,6 +25,12 @@ __all__ = [
 ]
 
 
+def short_repr(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for the values error messages quote."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class LowMemError(Exception):
     """Base class of the errors below; never raised itself."""
 

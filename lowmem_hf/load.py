@@ -37,7 +37,7 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
 from . import zero3 as _zero3
-from .errors import CheckpointNotFoundError, NothingToLoadError, UnsupportedArgumentError
+from .errors import CheckpointNotFoundError, NothingToLoadError, UnsupportedArgumentError, short_repr
 from .fetch import fetch_files
 from .formats import StreamStats, dcp, open_reader
 from .formats.safetensors import check_mmap
@@ -465,7 +465,7 @@ def _config_error_message(error: Exception, source: str, request: LoadRequest) -
     overrides = dict(request.config_overrides)
     fields = _fields_named(error, set(values) | set(overrides))
     named = "; ".join(
-        f"{name}={_short(overrides[name])} (the keyword argument)" if name in overrides else f"{name}={_short(values[name])}"
+        f"{name}={short_repr(overrides[name])} (the keyword argument)" if name in overrides else f"{name}={short_repr(values[name])}"
         for name in fields
     )
     return (
@@ -492,10 +492,6 @@ def _fields_named(error: Exception, keys: set[str]) -> list[str]:
             return named
     return []
 
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _init_params(model_class: type) -> set[str]:

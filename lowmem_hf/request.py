@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from .distributed import check_distributed_config
-from .errors import UnsupportedArgumentError
+from .errors import UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
@@ -120,10 +120,6 @@ def _is_kwargs_pop(node: ast.AST) -> bool:
         and isinstance(node.func.value, ast.Name) and node.func.value.id == "kwargs" and bool(node.args)
     )
 
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -269,7 +265,7 @@ def _single_device(device: Any, device_map: Any) -> torch.device:
 def _parse_device(value: Any, argument: str, given: Any = None) -> torch.device:
     """One device from ``device`` or a ``device_map`` value (an int is a CUDA index, as in transformers); ``given``
     is the argument as the caller passed it, for the message."""
-    shown = _short(given if given is not None else value)
+    shown = short_repr(given if given is not None else value)
     try:
         device = torch.device(f"cuda:{value}" if isinstance(value, int) and not isinstance(value, bool) else value)
     except (RuntimeError, TypeError, ValueError):
@@ -292,7 +288,7 @@ def _check_config(config: Any) -> None:
     if config is not None and not isinstance(config, (str, os.PathLike, PreTrainedConfig)):
         raise TypeError(
             f"config must be a transformers config (PreTrainedConfig), a path to a folder or a config.json, or None "
-            f"(the checkpoint's own config.json), got {type(config).__name__} {_short(config)}."
+            f"(the checkpoint's own config.json), got {type(config).__name__} {short_repr(config)}."
         )
 
 
@@ -301,11 +297,11 @@ def _check_key_mapping(key_mapping: Any) -> None:
     if key_mapping is None:
         return
     if not isinstance(key_mapping, Mapping):
-        raise TypeError(f"key_mapping must be a dict of {{regex: replacement}}, got {type(key_mapping).__name__} {_short(key_mapping)}.")
+        raise TypeError(f"key_mapping must be a dict of {{regex: replacement}}, got {type(key_mapping).__name__} {short_repr(key_mapping)}.")
     for pattern, replacement in key_mapping.items():
         if not isinstance(pattern, str) or not isinstance(replacement, str):
             raise TypeError(
-                f"key_mapping entries must be str regex -> str replacement, got {_short(pattern)}: {_short(replacement)}."
+                f"key_mapping entries must be str regex -> str replacement, got {short_repr(pattern)}: {short_repr(replacement)}."
             )
         try:
             re.compile(pattern)
@@ -378,7 +374,7 @@ def make_request(
         value = config_overrides.pop(name)
         if not transformers_defaults().is_default(name, value):
             raise UnsupportedArgumentError(
-                name, f"from_pretrained({name}={_short(value)}) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}."
+                name, f"from_pretrained({name}={short_repr(value)}) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}."
             )
     distributed_config = check_distributed_config(distributed_config)
     if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
