@@ -143,6 +143,15 @@ def test_the_ambient_device_is_the_load_device(make_checkpoint):
         assert (type(ours), str(ours)) == (type(theirs), str(theirs))
     else:
         assert next(got.parameters()).device == next(ref.parameters()).device
+    # the request itself is decided under the context (on a CPU-only build the loads above could fail alike for
+    # another reason: any allocation under a cuda context fails)
+    try:
+        with torch.device(device):
+            decided = lowmem_hf.make_request(AutoModelForCausalLM, path).device
+    except Exception as error:  # noqa: BLE001 - compared with transformers' error
+        assert theirs is not None and (type(error), str(error)) == (type(theirs), str(theirs))
+    else:
+        assert decided.type == "cuda", f"the request chose {decided} under a cuda device context"
     with torch.device("cpu"):
         assert next(lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path).parameters()).device.type == "cpu"
 
