@@ -164,9 +164,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
     if zero3:
-        _zero3.check_servable(
-            converted=mapping.converted, dcp=checkpoint.format == CheckpointFormat.DCP, tp_requested=tp_request is not None, mmap=request.mmap
-        )
+        _zero3.check_servable(converted=mapping.converted, tp_requested=tp_request is not None, mmap=request.mmap)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
     _reject_empty_plan(plan, checkpoint, model, request.name_or_path)
     if zero3:
@@ -284,8 +282,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         error_msgs=tuple(loading_info.error_msgs),
         checkpoint_format=checkpoint.format,
         files_read=tuple(stats.files_read),
-        bytes_read=stats.bytes_read + checkpoint.header_bytes,
-        header_bytes=checkpoint.header_bytes,
+        bytes_read=stats.bytes_read + checkpoint.header_bytes + stats.header_bytes,
+        header_bytes=checkpoint.header_bytes + stats.header_bytes,
         dtype=plan.dtype,
         dtype_policy=request.dtype_policy,
         dtype_decisions=decisions,

@@ -231,6 +231,7 @@ class LoadReport:
     bytes_read: int
     """Bytes read from weight files (tensor data) plus ``header_bytes``."""
     header_bytes: int
+    """Format metadata read: headers, indexes, DCP metadata (planning), and archive directories read while streaming."""
     dtype: torch.dtype
     """The declared model dtype (``config.dtype``)."""
     dtype_policy: str

@@ -10,6 +10,9 @@ into each ``ds_tensor`` exactly the elements it holds: for a contiguous stored t
 parameter per rank. The partition arithmetic is DeepSpeed's, read off each parameter at load time
 (``partition_numel()``, ``ds_numel``, the rank in ``ds_process_group``), so nothing here copies its constants.
 
+Every source serves partitions: a range of the flattened tensor is one byte range of a stored tensor (local files,
+the Hub's ``fetch="ranges"``), or the runs of the stored DCP chunks it spans (``plan.sharding.flat_box_runs``).
+
 Buffers are not partitioned: every rank reads them whole (transformers broadcasts rank 0's). What is missing from
 the checkpoint is initialized by transformers' own finishing step, which gathers it under ZeRO-3.
 """
@@ -133,15 +136,16 @@ def partition_specs(model: torch.nn.Module) -> dict[str, ShardSpec]:
     return specs
 
 
-def check_servable(*, converted: Mapping[str, Any], dcp: bool, tp_requested: bool, mmap: bool) -> None:
-    """Refuse, before any read, what lowmem_hf cannot read into ZeRO-3 partitions (the switch then falls back)."""
+def check_servable(*, converted: Mapping[str, Any], tp_requested: bool, mmap: bool) -> None:
+    """Refuse, before any read, what lowmem_hf cannot read into ZeRO-3 partitions (the switch then falls back).
+
+    Sharded training checkpoints (DCP) are served: a partition is a range of the flattened tensor, which the DCP
+    reader cuts out of whatever chunks the checkpoint stores (``flat_box_runs``)."""
     why = None
     if tp_requested:
         why = "tensor parallelism (tp_plan, tp_size, device_mesh, distributed_config) together with ZeRO-3"
     elif mmap:
         why = "mmap=True (a partition is DeepSpeed's memory, never a view of a file)"
-    elif dcp:
-        why = "a sharded training checkpoint (DCP) into ZeRO-3 partitions"
     elif converted:
         why = f"keys transformers converts (e.g. into {sorted(converted)[:2]}): a converted tensor has no byte range per partition"
     if why is not None:

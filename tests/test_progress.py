@@ -40,10 +40,23 @@ def _load(path):
     return LowMemAutoModelForCausalLM.from_pretrained(path, tqdm_class=RecordingBar, output_loading_info=True)
 
 
-def test_bar_counts_every_byte_read_and_closes(make_checkpoint):
-    _, report = _load(make_checkpoint("llama", "sharded"))
+def _dcp_checkpoint(source: str, folder) -> str:
+    """A one-process ``dcp.save`` of ``source`` with its config: a sharded training checkpoint."""
+    from torch.distributed import checkpoint as dcp
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+    model.config.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "bin", "dcp"])
+def test_bar_counts_every_byte_read_and_closes(make_checkpoint, tmp_path, fmt):
+    # dcp: the bar used to stay at 0 (its reader counted bytes past the bar)
+    path = _dcp_checkpoint(make_checkpoint("llama", "sharded"), tmp_path / "dcp") if fmt == "dcp" else make_checkpoint("llama", fmt)
+    _, report = _load(path)
     (bar,) = RecordingBar.made
-    assert bar.total == bar.n == report.bytes_read - report.header_bytes and bar.closed
+    assert bar.total == bar.n == report.bytes_read - report.header_bytes > 0 and bar.closed
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from lowmem_hf.plan.sharding import (
     check_head_divisibility,
     chunk_runs,
     element_runs,
+    flat_box_runs,
     shard_specs,
     slice_bounds,
 )
@@ -43,6 +44,25 @@ def test_chunk_runs_bound_every_chunk_and_keep_destinations_consecutive():
     for c in chunks:
         assert all(c[i][1] + c[i][2] == c[i + 1][1] for i in range(len(c) - 1))
     assert chunks[0] == [(0, 0, 5), (10, 5, 2)]
+
+
+@pytest.mark.parametrize("shape,cut_dim,cuts", [((6, 4), 0, (0, 2, 6)), ((6, 4), 1, (0, 1, 4)), ((2, 3, 4), 1, (0, 2, 3)), ((5,), 0, (0, 5)), ((), 0, ())])
+def test_flat_box_runs_cut_a_flat_range_out_of_the_chunks_that_hold_it(shape, cut_dim, cuts):
+    # a ZeRO-3 partition (a range of the flattened tensor) read from a TP job's DCP chunks (boxes along one dim)
+    full = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    boxes = [((), ())] if not shape else [
+        (tuple(a if d == cut_dim else 0 for d in range(len(shape))), tuple(b - a if d == cut_dim else n for d, n in enumerate(shape)))
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    numel = full.numel()
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            got = torch.full((stop - start,), -1, dtype=full.dtype)
+            for offsets, sizes in boxes:
+                stored = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+                for src, dst, n in flat_box_runs(shape, offsets, sizes, start, stop):
+                    got[dst : dst + n] = stored[src : src + n]
+            assert torch.equal(got, full.reshape(-1)[start:stop]), (start, stop)
 
 
 def test_slice_bounds():

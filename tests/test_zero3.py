@@ -40,6 +40,9 @@ def test_each_rank_reads_only_its_partitions_and_holds_transformers_values(make_
         make_checkpoint("qwen2_tied", "sharded") + ":offload",  # tied embeddings; offload_param to CPU
         make_checkpoint("gpt2", "safetensors"),  # biases, legacy buffers in the checkpoint
         make_checkpoint("llama", "bin"),
+        # a TP job's dcp.save (chunks along dim 0 and dim 1): each partition cut out of the chunks it spans
+        make_checkpoint("llama", "sharded") + ":dcp-tp",
+        make_checkpoint("qwen2_tied", "sharded") + ":dcp-tp:bf16",
     ]
     _run(_torchrun(2, os.path.join(SCRIPTS, "zero3_partitions.py"), str(tmp_path / "found"), *cases), tmp_path)
     for rank in range(2):
@@ -52,6 +55,24 @@ def test_each_rank_reads_only_its_partitions_and_holds_transformers_values(make_
             assert found["bytes_read"] - found["header_bytes"] >= 4 * found["partition_elements"], (rank, case)
             if case.endswith(":bf16"):
                 assert found["partition_dtype"] == "torch.bfloat16"
+
+
+def test_partitions_come_from_the_hub_by_range_or_by_file(make_checkpoint, hub_server, tmp_path):
+    # fetch="ranges" under a process group: the cooperative fetch of exactly the partitions' byte ranges
+    cases = [make_checkpoint("llama", "sharded") + ":hub-ranges", make_checkpoint("qwen2_tied", "sharded") + ":hub-files:bf16"]
+    for case in cases:
+        path = case.split(":")[0]
+        hub_server.add_repo(f"org/{os.path.basename(path)}", path)
+    proc = subprocess.run(
+        _torchrun(2, os.path.join(SCRIPTS, "zero3_partitions.py"), str(tmp_path / "found"), *cases),
+        env=_env(ZERO3_HUB=hub_server.url), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in range(2):
+        found = json.loads((tmp_path / f"found.{rank}.json").read_text())
+        assert [f["case"] for f in found] == ["llama-sharded-float32:hub-ranges", "qwen2_tied-sharded-float32:bf16+hub-files"]
+        for f in found:
+            assert f["differ"] == [] and f["tied_same"] and f["lowmem_partitioned"], (rank, f)
 
 
 @pytest.mark.parametrize("case,offload", [("llama", False), ("qwen2_tied", True), ("gpt2", False)])

@@ -31,6 +31,8 @@ class StreamStats:
     """Bytes of tensors left as copy-on-write views of checkpoint files (``mmap=True``)."""
     band_extra_bytes: int = 0
     """HTTP ranges: bytes fetched beyond the slices because dim-1 slices were fetched as whole row bands."""
+    header_bytes: int = 0
+    """Format metadata read while streaming (a ``.distcp`` item's archive directory and pickle), not tensor data."""
 
     def read(self, nbytes: int) -> None:
         self.bytes_read += nbytes

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
-from ..plan.sharding import box_runs, overlap, split_runs, wanted_box
+from ..plan.sharding import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ..sources import ByteSource
 from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from . import safetensors, torch_pickle
@@ -307,17 +307,22 @@ def check_covered(checkpoint: Checkpoint, plan: LoadPlan) -> None:
     reads = [(r.source, r.shard) for r in plan.reads]
     reads += [(info, None) for s in plan.submodules for c in s.conversions for _, info in c.sources]
     for info, shard in reads:
+        flat = shard is not None and shard.flat
         start, stop = wanted_box(info.shape, shard)
-        needed = math.prod(b - a for a, b in zip(start, stop))
+        needed = shard.stop - shard.start if flat else math.prod(b - a for a, b in zip(start, stop))
+        what = f"elements [{shard.start}, {shard.stop}) of the flattened" if flat else f"[{list(start)}, {list(stop)}) of"
         covered = 0
         for chunk in checkpoint.layout.chunks[info.key]:
+            if flat:  # a ZeRO-3 partition: a range of the flattened tensor
+                covered += sum(n for _, _, n in flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop))
+                continue
             box = overlap(chunk.offsets, chunk.sizes, start, stop)
             if box is not None:
                 covered += math.prod(h - l for l, h in zip(*box))
         if covered != needed:
             raise _dcp_error(
                 checkpoint.name_or_path, f"{info.key!r}", "chunks cover what is read",
-                f"stored chunks holding the {needed} elements this rank reads ([{list(start)}, {list(stop)}) of global shape {list(info.shape)})",
+                f"stored chunks holding the {needed} elements this rank reads ({what} global shape {list(info.shape)})",
                 f"{covered} stored (chunks at {[list(c.offsets) for c in checkpoint.layout.chunks[info.key]]}). The checkpoint is incomplete",
             )
 
@@ -423,15 +428,20 @@ class DcpReader(Reader):
         local = tuple(b - a for a, b in zip(start, stop))
         jobs: list[Callable[[], None]] = []
         for chunk in self._layout.chunks[info.key]:
-            box = overlap(chunk.offsets, chunk.sizes, start, stop)
-            if box is None:
-                continue
+            if shard is not None and shard.flat:  # a ZeRO-3 partition: a range of the flattened tensor
+                runs = flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop)
+                if not runs:
+                    continue
+            else:
+                box = overlap(chunk.offsets, chunk.sizes, start, stop)
+                if box is None:
+                    continue
+                lo, hi = box
+                size = tuple(h - l for l, h in zip(lo, hi))
+                runs = box_runs(
+                    chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
+                )
             self._stats.opened(chunk.file)
-            lo, hi = box
-            size = tuple(h - l for l, h in zip(lo, hi))
-            runs = box_runs(
-                chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
-            )
             jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
         return jobs
 
@@ -459,12 +469,12 @@ class DcpReader(Reader):
                 pos += n
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
-        self._stats.bytes_read += nbytes
+        self._stats.read(nbytes)  # through the progress bar, as every reader
 
     def close(self) -> None:
         with self._lock:
             self._located.clear()
-            self._stats.bytes_read += self._extra
+            self._stats.header_bytes += self._extra
             self._extra = 0
 
 

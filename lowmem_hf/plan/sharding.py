@@ -38,6 +38,7 @@ __all__ = [
     "wanted_box",
     "overlap",
     "box_runs",
+    "flat_box_runs",
     "slice_tensor",
     "check_head_divisibility",
 ]
@@ -275,6 +276,24 @@ def box_runs(
         s = src0 + sum(i * st for i, st in zip(index, src_strides))
         d = dst0 + sum(i * st for i, st in zip(index, dst_strides))
         runs.append((s, d, run))
+    return runs
+
+
+def flat_box_runs(
+    shape: tuple[int, ...], chunk_offsets: tuple[int, ...], chunk_sizes: tuple[int, ...], start: int, stop: int
+) -> list[tuple[int, int, int]]:
+    """The elements ``[start, stop)`` of the flattened global tensor (a ZeRO-3 partition) that a stored chunk
+    (the box ``chunk_offsets + chunk_sizes``) holds: ``(chunk_element, dst_element, n)`` runs, ``dst`` counted
+    from ``start``, in source order. A flat range is not a box, so the chunk is walked as its row-major runs in
+    the global tensor (one run for a chunk that is whole rows) and each run is cut to the range."""
+    ndim = len(shape)
+    runs = []
+    for src, at, n in box_runs(chunk_sizes, (0,) * ndim, shape, chunk_offsets, chunk_sizes):
+        if at >= stop:
+            break  # runs come in increasing global order
+        lo, hi = max(at, start), min(at + n, stop)
+        if lo < hi:
+            runs.append((src + lo - at, lo - start, hi - lo))
     return runs
 
 

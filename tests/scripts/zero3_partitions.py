@@ -1,7 +1,13 @@
 """One rank of a ZeRO-3 job: load each CASE with transformers and with lowmem_hf under the same DeepSpeed config,
 compare this rank's partitions and buffers, and write what it found to OUT.<rank>.json.
 
-    torchrun --nproc-per-node 2 zero3_partitions.py OUT CASE [CASE ...]     CASE = path[:bf16][:offload]
+    torchrun --nproc-per-node 2 zero3_partitions.py OUT CASE [CASE ...]     CASE = path[:bf16][:offload][:dcp-tp]
+
+``dcp-tp``: lowmem_hf loads, instead of ``path`` itself, a ``dcp.save`` of ``path`` loaded with transformers' own
+tensor parallelism over the same ranks (chunks cut along dim 0 or dim 1, which no ZeRO-3 partition follows);
+transformers' reference still loads ``path``.
+``hub-ranges`` / ``hub-files``: lowmem_hf loads the repo ``org/<basename of path>`` from the loopback Hub at
+``$ZERO3_HUB`` (each rank its own empty HF cache: one node each) with that ``fetch=``.
 """
 
 import json
@@ -35,10 +41,29 @@ def valid(param) -> torch.Tensor:
     return param.ds_tensor.view(-1)[: max(0, min(size, param.ds_numel - dist.get_rank() * size))]
 
 
-def compare(path: str, options: set[str]) -> dict:
+def tp_dcp(path: str, out: str) -> str:
+    """A sharded training checkpoint of ``path`` written by a TP job over this group (before ZeRO-3 is enabled)."""
+    from torch.distributed import checkpoint as dcp
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    dcp.save(model.state_dict(), checkpoint_id=out)
+    dist.barrier()
+    return out
+
+
+def compare(path: str, options: set[str], source: str) -> dict:
     keep_alive = HfDeepSpeedConfig(ds_config(options))  # noqa: F841 - transformers holds it by a weak reference
     ref = AutoModelForCausalLM.from_pretrained(path)
-    got, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
+    fetch = next((o.removeprefix("hub-") for o in options if o.startswith("hub-")), None)
+    if fetch is not None:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from hub_server import use_hub
+
+        with use_hub(os.environ["ZERO3_HUB"], f"{source}-{fetch}-home{dist.get_rank()}"):
+            got, report = load(f"org/{os.path.basename(path)}", fetch=fetch, output_loading_info=True)
+    else:
+        got, report = load(source, config=path, output_loading_info=True)
     differ = []
     ours = dict(got.named_parameters(remove_duplicate=False))
     for name, param in ref.named_parameters(remove_duplicate=False):
@@ -71,10 +96,14 @@ def compare(path: str, options: set[str]) -> dict:
 
 def main(out: str, cases: list[str]) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
-    results = []
+    results, sources = [], {}
+    for case in cases:  # every TP-written checkpoint first: a TP load refuses to run while ZeRO-3 is enabled
+        path, *options = case.split(":")
+        if "dcp-tp" in options:
+            sources[case] = tp_dcp(path, f"{out}-{os.path.basename(path)}-dcp")
     for case in cases:
         path, *options = case.split(":")
-        results.append(compare(path, set(options)))
+        results.append(compare(path, set(options), sources.get(case, path)))
     with open(f"{out}.{dist.get_rank()}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()
