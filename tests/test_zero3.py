@@ -125,3 +125,13 @@ def test_a_load_inside_zero_init_without_an_hf_deepspeed_config_is_an_error_not_
     # before: an unpartitioned model whose rotary inv_freq buffer was left uninitialized
     result = _load_in_one_rank(make_checkpoint("llama", "safetensors"), "bare-zero-init", tmp_path)
     assert "HfDeepSpeedConfig" in result["direct"] and "deepspeed.zero.Init" in result["direct"]
+
+
+def test_a_zero3_load_of_which_nothing_fits_is_an_error_even_with_ignore_mismatched_sizes(make_checkpoint, tmp_path):
+    # before: ShapeMismatchError against the (0,)-shaped placeholders on a plain load, and with
+    # ignore_mismatched_sizes=True a model of which not one tensor was loaded, exit status 0
+    result = _load_in_one_rank(make_checkpoint("llama", "safetensors"), "nothing", tmp_path)
+    assert result["plain"] == "loaded"  # partition shapes are compared as DeepSpeed's ds_shape, not (0,)
+    for how in ("direct", "switched"):
+        assert result[how].startswith("NothingToLoadError: Not one of the"), result
+

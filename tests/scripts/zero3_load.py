@@ -1,6 +1,7 @@
 """One rank of a job with DeepSpeed ZeRO-3 enabled the way the HF Trainer enables it (an HfDeepSpeedConfig alive
 before from_pretrained): loads MODEL through lowmem_hf directly and through the switch; prints one JSON line."""
 
+import contextlib
 import json
 import os
 import sys
@@ -27,6 +28,20 @@ def main(path: str, mode: str) -> None:
             result = {"direct": "loaded"}
         except ValueError as error:
             result = {"direct": str(error)}
+        print("ZERO3_RESULT " + json.dumps(result), flush=True)
+        return
+    if mode == "nothing":  # hidden_size halved: every checkpoint tensor has another shape than its parameter
+        keep_alive = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads it through a weak reference
+        result = {}
+        model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path)  # partitioned: shape (0,) parameters
+        result["plain"] = "loaded" if tuple(model.get_input_embeddings().weight.shape) == (0,) else "unpartitioned"
+        for how, load_class in (("direct", lowmem_hf.LowMemAutoModelForCausalLM), ("switched", AutoModelForCausalLM)):
+            try:
+                with lowmem_hf.patch_transformers() if how == "switched" else contextlib.nullcontext():
+                    load_class.from_pretrained(path, hidden_size=32, ignore_mismatched_sizes=True)
+                result[how] = "loaded"
+            except lowmem_hf.LowMemError as error:
+                result[how] = f"{type(error).__name__}: {error}"
         print("ZERO3_RESULT " + json.dumps(result), flush=True)
         return
     if mode == "autotp":
