@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from test_hub import weight_files
-from lowmem_hf.sources.exchange import schedule_spans
+from lowmem_hf.sources.exchange import Span, schedule_spans, span_pieces
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")
@@ -44,6 +44,14 @@ def test_schedule_covers_the_union_once_in_spans_shared_evenly():
     assert len(small_waves) == 2  # one wave per submodule, in plan order
 
 
+def test_a_span_gives_each_rank_only_the_parts_its_runs_cover():
+    spans = [Span("a", 0, 300, 0), Span("a", 300, 600, 1), Span("b", 0, 300, 1)]
+    # alternating rows of "a" (a dim-1 slice), one run across two spans, and all of "b"
+    need = [("a", 0, 50), ("a", 100, 150), ("a", 280, 320), ("a", 400, 450), ("b", 0, 300)]
+    assert span_pieces(need, spans) == [[(0, 50), (100, 150), (280, 300)], [(300, 320), (400, 450)], [(0, 300)]]
+    assert span_pieces([("a", 600, 700)], spans) == [[], [], []]  # touching a span's end is not needing it
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +65,17 @@ def tp_repo(tmp_path_factory):
                                    num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("exchange") / "llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tp3_repo(tmp_path_factory):
+    """Heads, KV heads, intermediate size and vocabulary that 3 divides: a checkpoint tp_size=3 can load."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1200, hidden_size=384, intermediate_size=768, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("exchange3") / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="4MB")
     return path
 
 
@@ -107,6 +126,22 @@ def test_four_nodes_fetch_each_byte_once_in_few_requests(hub_server, tp_repo, tm
     weight_requests = [q for q in hub_server.requests if q.filename in files and q.method == "GET"]
     assert len(weight_requests) / 4 <= bound, (len(weight_requests), bound)
     assert sum(r["fetched"] for r in ranks) < checkpoint and all(r["received"] > 0 for r in ranks)
+
+
+def test_three_ranks_each_receive_only_the_bytes_their_plan_reads(hub_server, tp3_repo, tmp_path):
+    hub_server.add_repo("org/tp", tp3_repo)
+    hub_server.reset_counters()
+    results = _finish(_launch(hub_server, tp3_repo, tmp_path, 3), timeout=240)
+    assert all(code == 0 for code, _ in results), "\n".join(err[-3000:] for _, err in results)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(3)]
+    assert all(r["different"] == [] for r in ranks)  # bit-identical to a local load at tp_size=3
+    files = weight_files(tp3_repo)
+    checkpoint = sum(os.path.getsize(tp3_repo / f) for f in files)
+    assert sum(hub_server.bytes_for("org/tp", f) for f in files) <= 1.02 * checkpoint
+    # bytes_read: what this rank's plan reads, headers included; a broadcast of every span gave each rank ~2/3
+    # of the checkpoint, twice what it reads at tp 3
+    assert all(0 < r["received"] <= 1.02 * r["read"] for r in ranks), [(r["received"], r["read"]) for r in ranks]
+    assert sum(r["received"] for r in ranks) < 0.8 * checkpoint, ([r["received"] for r in ranks], checkpoint)
 
 
 def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, tmp_path):
