@@ -43,6 +43,7 @@ def test_each_rank_reads_only_its_partitions_and_holds_transformers_values(make_
         # a TP job's dcp.save (chunks along dim 0 and dim 1): each partition cut out of the chunks it spans
         make_checkpoint("llama", "sharded") + ":dcp-tp",
         make_checkpoint("qwen2_tied", "sharded") + ":dcp-tp:bf16",
+        make_checkpoint("llama", "sharded") + ":seqcls",  # a missing head, initialized as transformers does
     ]
     _run(_torchrun(2, os.path.join(SCRIPTS, "zero3_partitions.py"), str(tmp_path / "found"), *cases), tmp_path)
     for rank in range(2):
@@ -53,6 +54,7 @@ def test_each_rank_reads_only_its_partitions_and_holds_transformers_values(make_
             budget = 1.02 * 4 * found["partition_elements"] + found["buffer_bytes"] + found["header_bytes"]
             assert found["bytes_read"] <= budget, (rank, case, found)
             assert found["bytes_read"] - found["header_bytes"] >= 4 * found["partition_elements"], (rank, case)
+            assert found["missing_keys"] == (["score.weight"] if case.endswith(":seqcls") else []), (rank, case)
             if case.endswith(":bf16"):
                 assert found["partition_dtype"] == "torch.bfloat16"
 

@@ -1,11 +1,12 @@
 """One rank of a ZeRO-3 job: load each CASE with transformers and with lowmem_hf under the same DeepSpeed config,
 compare this rank's partitions and buffers, and write what it found to OUT.<rank>.json.
 
-    torchrun --nproc-per-node 2 zero3_partitions.py OUT CASE [CASE ...]     CASE = path[:bf16][:offload][:dcp-tp]
+    torchrun --nproc-per-node 2 zero3_partitions.py OUT CASE [CASE ...]     CASE = path[:bf16][:offload][:dcp-tp][:seqcls]
 
 ``dcp-tp``: lowmem_hf loads, instead of ``path`` itself, a ``dcp.save`` of ``path`` loaded with transformers' own
 tensor parallelism over the same ranks (chunks cut along dim 0 or dim 1, which no ZeRO-3 partition follows);
 transformers' reference still loads ``path``.
+``seqcls``: both load it as a sequence classifier, whose head the checkpoint lacks (initialized, seeded alike).
 ``hub-ranges`` / ``hub-files``: lowmem_hf loads the repo ``org/<basename of path>`` from the loopback Hub at
 ``$ZERO3_HUB`` (each rank its own empty HF cache: one node each) with that ``fetch=``.
 """
@@ -19,7 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU, gloo without
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
 
 import lowmem_hf  # noqa: E402
@@ -53,7 +54,15 @@ def tp_dcp(path: str, out: str) -> str:
 
 def compare(path: str, options: set[str], source: str) -> dict:
     keep_alive = HfDeepSpeedConfig(ds_config(options))  # noqa: F841 - transformers holds it by a weak reference
+    if "seqcls" in options:  # the classification head is missing: initialized by transformers' ZeRO-3 finishing step
+        torch.manual_seed(0)
+        ref = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+        torch.manual_seed(0)
+        got, report = lowmem_hf.LowMemAutoModelForSequenceClassification.from_pretrained(path, num_labels=3, output_loading_info=True)
+        return _compared(path, options, ref, got, report)
+    torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
     load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
     fetch = next((o.removeprefix("hub-") for o in options if o.startswith("hub-")), None)
     if fetch is not None:
@@ -64,6 +73,10 @@ def compare(path: str, options: set[str], source: str) -> dict:
             got, report = load(f"org/{os.path.basename(path)}", fetch=fetch, output_loading_info=True)
     else:
         got, report = load(source, config=path, output_loading_info=True)
+    return _compared(path, options, ref, got, report)
+
+
+def _compared(path: str, options: set[str], ref, got, report) -> dict:
     differ = []
     ours = dict(got.named_parameters(remove_duplicate=False))
     for name, param in ref.named_parameters(remove_duplicate=False):
@@ -90,6 +103,7 @@ def compare(path: str, options: set[str], source: str) -> dict:
         "partition_elements": partition_elements,
         "buffer_bytes": sum(b.numel() * b.element_size() for b in got.buffers()),
         "model_bytes": report.model_bytes,
+        "missing_keys": sorted(report.missing_keys),
         "lowmem_partitioned": all(hasattr(p, "ds_tensor") and p.shape == (0,) for p in got.parameters()),
     }
 
