@@ -272,6 +272,14 @@ class LoadReport:
     """Sliced tensors from local files in the page cache: bytes between a slice's runs (e.g. the other ranks' part
     of each row) copied by the same read and dropped, so a slice costs a few calls instead of one per row. Not in
     ``bytes_read``; never read from a cold disk (there each run is its own read)."""
+    mapped_lease_bytes: int = 0
+    """Local files: bytes converted straight from a read-only mapping of their file while this process held a kernel
+    read lease on it (nobody could truncate it meanwhile), with no copy into staging."""
+    preadv_bytes: int = 0
+    """Local files: bytes read with ``preadv`` (into staging or straight into the destination)."""
+    preadv_reasons: Mapping[str, str] = field(default_factory=dict)
+    """Local files read (partly) with ``preadv``: why, per file (not in the page cache, the lease refused and the
+    kernel's reason, the lease broken by a writer after so many bytes)."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 
