@@ -30,7 +30,7 @@ from huggingface_hub.file_download import repo_folder_name
 
 from .errors import CheckpointNotFoundError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
 from .formats import safetensors, torch_pickle
-from .resolve import add_tensors, check_real_path, describe_keys, is_index, parse_index, weight_candidates
+from .resolve import add_tensors, check_index_keys, check_real_path, describe_keys, is_index, parse_index, weight_candidates
 from .sources.http import HttpRanges
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
@@ -391,6 +391,8 @@ def resolve_hub(
             local_paths[repo_path] = cached
         header_bytes += nbytes
         add_tensors(tensors, (replace(info, file=repo_path) for info in infos.values()))
+    if index_metadata is not None:
+        check_index_keys(found, by_file, tensors)
     return Checkpoint(
         name_or_path=repo_id,
         format=fmt,

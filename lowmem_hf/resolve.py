@@ -19,12 +19,12 @@ import os
 import re
 from typing import Any, Sequence
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingShardError, OutsideCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingShardError, OutsideCheckpointError, short_repr
 from .formats import dcp, safetensors, torch_pickle
 from .types import Checkpoint, CheckpointFormat, TensorInfo
 
 __all__ = [
-    "resolve_local", "resolve_dcp", "weight_candidates", "is_index", "parse_index", "add_tensors",
+    "resolve_local", "resolve_dcp", "weight_candidates", "is_index", "parse_index", "check_index_keys", "add_tensors",
     "inside_folder", "check_real_path", "cache_roots", "describe_keys", "HOW_TO_LOAD_OUTSIDE",
 ]
 
@@ -128,6 +128,12 @@ def is_index(name: str) -> bool:
 def weight_candidates(*, variant: str | None, use_safetensors: bool | None, explicit_filename: str | None) -> list[str]:
     """Weight file names to look for, in transformers' order of preference."""
     if explicit_filename is not None:
+        if not isinstance(explicit_filename, str) or not explicit_filename.strip():
+            raise ValueError(
+                f"config.json's transformers_weights is {short_repr(explicit_filename)}: expected the name of a weight file "
+                "inside the checkpoint folder (e.g. 'model.safetensors'). Fix the field, or remove it to load the "
+                "usual weight files."
+            )
         return [explicit_filename]
     candidates = []
     if use_safetensors is not False:
@@ -189,9 +195,10 @@ def resolve_local(
     header_bytes = 0
     path = _contained(found, directory, what=what)
     index_metadata: dict[str, Any] | None = None
+    by_file: dict[str, list[str]] = {}
     if is_index(found):
         header_bytes += os.path.getsize(path)
-        files, index_metadata = _read_index(path, directory)
+        files, index_metadata, by_file = _read_index(path, directory)
     else:
         files = [path]
 
@@ -207,6 +214,7 @@ def resolve_local(
             fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
         header_bytes += nbytes
         add_tensors(tensors, infos.values())
+    check_index_keys(path, by_file, tensors)
     return Checkpoint(
         name_or_path=str(name_or_path),
         format=fmt,
@@ -228,6 +236,20 @@ def add_tensors(tensors: dict[str, TensorInfo], infos) -> None:
         tensors[info.key] = info
 
 
+def check_index_keys(index_path: str, by_file: dict[str, list[str]], tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the index maps to a shard is stored in one of the shards: an index that promises a tensor no
+    shard holds would leave it re-initialized with a warning (transformers' behaviour), a model that is silently
+    not the checkpoint's."""
+    for shard, keys in sorted(by_file.items()):
+        absent = [k for k in keys if k not in tensors]
+        if absent:
+            raise CorruptCheckpointError(
+                f"{index_path} maps {len(absent)} tensor(s) to {shard} that no shard stores: {describe_keys(absent)}. "
+                "The index does not describe its shards (a shard replaced or an index edited); re-save the "
+                "checkpoint with save_pretrained, or copy the index that came with these shards."
+            )
+
+
 def parse_index(index_path: str) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """``({shard file: [keys]}, metadata)`` of a sharded checkpoint's index JSON."""
     try:
@@ -239,15 +261,21 @@ def parse_index(index_path: str) -> tuple[dict[str, list[str]], dict[str, Any]]:
             if not isinstance(shard, str) or not shard:
                 raise TypeError(f"the entry of {key!r} is {shard!r}, not a file name")
             by_file.setdefault(shard, []).append(key)
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        if not by_file:
+            raise TypeError("its weight_map is empty: it maps no tensor to a file")
+        metadata = index.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise TypeError(f"its 'metadata' is {short_repr(metadata)}, not an object")
+    # UnicodeDecodeError: the index is not UTF-8 (JSON must be)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"{index_path} is not a valid index: expected JSON with a 'weight_map' object ({e}). "
             "Re-save the checkpoint with save_pretrained."
         ) from e
-    return by_file, index.get("metadata") or {}
+    return by_file, metadata
 
 
-def _read_index(index_path: str, folder: str) -> tuple[list[str], dict[str, Any]]:
+def _read_index(index_path: str, folder: str) -> tuple[list[str], dict[str, Any], dict[str, list[str]]]:
     by_file, metadata = parse_index(index_path)
     directory = os.path.dirname(index_path)
     # every entry inside the folder before any shard is opened (transformers follows them wherever they lead)
@@ -266,7 +294,7 @@ def _read_index(index_path: str, folder: str) -> tuple[list[str], dict[str, Any]
             f"It should hold {len(keys)} tensors: {shown}. Copy the missing file, or re-save the checkpoint."
         )
     # Shard names sort in file order (model-00001-of-0000N...), so reads go front to back.
-    return [paths[shard] for shard in sorted(by_file)], metadata
+    return [paths[shard] for shard in sorted(by_file)], metadata, by_file
 
 
 def resolve_dcp(name_or_path: str, *, subfolder: str = "") -> Checkpoint:

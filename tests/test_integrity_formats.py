@@ -499,3 +499,55 @@ def test_each_bin_shard_is_located_once_per_load(make_checkpoint, monkeypatch):
         assert sorted(calls) == sorted(shards * 2)
         for name, t in ref.state_dict().items():
             assert torch.equal(got.state_dict()[name], t), name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# index files (found by the property suite, tests/test_integrity_properties.py)
+# ---------------------------------------------------------------------------------------------------------
+INDEXES = {"sharded": "model.safetensors.index.json", "bin": "pytorch_model.bin.index.json"}
+
+
+@pytest.mark.parametrize("fmt", INDEXES)
+@pytest.mark.parametrize("content, found", [
+    (b'{"metadata": {}, "weight_map": {}}', "its weight_map is empty"),
+    (b'{"metadata": "x", "weight_map": {"a": "b"}}', "its 'metadata' is 'x', not an object"),
+    (b'\xff\xfe\x00{', "'utf-8' codec can't decode byte 0xff"),
+], ids=["empty-weight-map", "metadata-not-an-object", "not-utf8"])
+def test_an_index_that_is_not_one_is_named(make_checkpoint, tmp_path, fmt, content, found):
+    # were: IndexError in resolve.py, ValueError from dict() in load.py, UnicodeDecodeError
+    folder = tmp_path / fmt
+    shutil.copytree(make_checkpoint("llama", fmt), folder)
+    (folder / INDEXES[fmt]).write_bytes(content)
+    with pytest.raises(CorruptCheckpointError, match=rf"{folder / INDEXES[fmt]} is not a valid index: expected JSON with a 'weight_map' object \({found}"):
+        Causal.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("fmt", INDEXES)
+def test_an_index_that_maps_tensors_to_a_shard_that_lacks_them_is_refused_not_reinitialized(make_checkpoint, tmp_path, fmt):
+    # every entry pointed at shard 1: transformers loads shard 1 and re-initializes the rest with a warning
+    folder = tmp_path / fmt
+    shutil.copytree(make_checkpoint("llama", fmt), folder)
+    index = json.loads((folder / INDEXES[fmt]).read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = dict.fromkeys(index["weight_map"], first)
+    (folder / INDEXES[fmt]).write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=rf"{folder / INDEXES[fmt]} maps \d+ tensor\(s\) to {first} that no shard stores: '"):
+        Causal.from_pretrained(folder)
+
+
+def test_a_file_cut_on_the_hub_mid_load_by_ranges_is_named(hf_hub, make_checkpoint, tmp_path):
+    # the server's 416 for a range past the new end was a raw HfHubHTTPError
+    from lowmem_hf import RemoteFileChangedError
+
+    local = tmp_path / "repo"
+    shutil.copytree(make_checkpoint("llama", "sharded"), local)
+    hf_hub.add_repo("org/llama", local)
+    shard = "model-00002-of-00003.safetensors"
+    data = hf_hub.file_path("org/llama", shard).read_bytes()
+
+    def after_first_body_read(record):  # the headers are read at bytes 0-7 and from byte 8; tensor bytes after them
+        return record.method == "GET" and bool(record.range) and int(record.range.removeprefix("bytes=").split("-")[0]) > 8
+
+    hf_hub.replace_file("org/llama", shard, data[:64], when=after_first_body_read)
+    with pytest.raises(RemoteFileChangedError, match=rf"{shard}: the load was planned for {len(data)} bytes .*but the server now has 64 bytes \(416"):
+        Causal.from_pretrained("org/llama", fetch="ranges", chunk_bytes=4096)

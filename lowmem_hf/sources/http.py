@@ -66,6 +66,7 @@ class HttpRanges(ByteSource):
             before = received
             try:
                 with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True) as response:
+                    self._check_satisfiable(remote, response, offset + received, end)
                     hf_raise_for_status(response)
                     self._check(remote, response, offset + received, end)
                     for piece in response.iter_bytes():
@@ -84,6 +85,17 @@ class HttpRanges(ByteSource):
             raise CorruptCheckpointError(
                 f"{remote.filename}: got {received} of {len(view)} bytes at offset {offset} after {_MAX_ATTEMPTS} "
                 "attempts; the connection keeps dropping. Check the network (or proxy) to the Hub and load again."
+            )
+
+    @staticmethod
+    def _check_satisfiable(remote: RemoteFile, response, start: int, end: int) -> None:
+        """416: the bytes the plan reads are past the end of the file the server has now (it was cut or replaced)."""
+        if response.status_code == 416:
+            total = response.headers.get("Content-Range", "").rpartition("/")[2]
+            now = f"the server now has {int(total)} bytes" if total.isdigit() else "the server has fewer"
+            raise RemoteFileChangedError(
+                f"{remote.filename}: the load was planned for {remote.size} bytes (etag {remote.etag}) and reads bytes "
+                f"{start}-{end - 1}, but {now} (416 Range Not Satisfiable). The file changed; load again to re-plan."
             )
 
     @staticmethod
