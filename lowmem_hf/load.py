@@ -37,13 +37,21 @@ from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
 from . import zero3 as _zero3
-from .errors import CheckpointNotFoundError, NothingToLoadError, UnsupportedArgumentError, short_repr
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LowMemError,
+    NothingToLoadError,
+    UnsupportedArgumentError,
+    short_repr,
+)
 from .fetch import fetch_files
 from .formats import StreamStats, dcp, open_reader
 from .formats.safetensors import check_mmap
 from .hub import pin_revision, resolve_hub
 from .logs import log_load
 from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
+from .plan.dtypes import FLOAT_DTYPES
 from .plan.estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
 from .progress import byte_bar
@@ -150,7 +158,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
 
     # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
     with _zero3.partitions_without_broadcast() if zero3 else contextlib.nullcontext():
-        model = build_on_meta(model_class, config, main_dtype, request.model_args, model_kwargs)
+        model = _build(request, model_class, config, main_dtype, model_kwargs)
 
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
@@ -360,7 +368,31 @@ def _resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Chec
 
 
 def _decide_dtype(request: LoadRequest, config: Any, checkpoint: Checkpoint) -> tuple[Any, torch.dtype]:
-    """transformers' own ``_get_dtype``: the declared dtype (``"auto"``: config, else the first file's tensors)."""
+    """transformers' own ``_get_dtype``: the declared dtype (``"auto"``: config, else the first file's tensors).
+
+    Raises:
+        ValueError: ``"auto"`` chose a dtype transformers cannot build a model in (a float8 checkpoint whose
+            config.json names float8 or no dtype): transformers fails on it with a raw ``TypeError`` about a storage
+            class while building the model.
+    """
+    declared = getattr(config, "dtype", None)
+    config, dtype = _get_dtype_as_transformers(request, config, checkpoint)
+    if dtype not in FLOAT_DTYPES:
+        if declared is not None:
+            origin = f"the config's dtype ({_config_source(request) or 'config='}: dtype={str(declared).removeprefix('torch.')!r})"
+        else:
+            first = next((i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0] and i.dtype == dtype), None)
+            origin = f"the stored dtype of the first floating tensor in {checkpoint.files[0]}" + (f" ({first.key!r})" if first else "")
+        raise ValueError(
+            f"dtype={short_repr(request.dtype or 'auto')} chose {dtype}, {origin}: transformers builds models only in "
+            f"{', '.join(str(d) for d in FLOAT_DTYPES)} (its own from_pretrained fails on {dtype} with a TypeError while "
+            "building the model). Pass dtype=torch.bfloat16 (or another of those) to cast the stored tensors to it, "
+            "as transformers does with that argument."
+        )
+    return config, dtype
+
+
+def _get_dtype_as_transformers(request: LoadRequest, config: Any, checkpoint: Checkpoint) -> tuple[Any, torch.dtype]:
     sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
     local_files = [checkpoint.local_paths.get(f, f) for f in checkpoint.files]
     if checkpoint.format != CheckpointFormat.DCP and all(os.path.isfile(f) for f in local_files):
@@ -440,13 +472,49 @@ def _load_config(request: LoadRequest, load: Callable[[], tuple[Any, dict[str, A
     (``ImportError``) pass unchanged: they already say what is missing."""
     try:
         return load()
-    except (OSError, ImportError):
+    except OSError as e:
+        cause = e.__context__
+        if isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
+            # transformers' "is not a valid JSON file" says neither where nor why; an OSError still, as transformers'
+            raise CorruptCheckpointError(
+                f"{_config_source(request) or CONFIG_NAME} is not a valid JSON file: {type(cause).__name__}: {cause}. "
+                "Fix the file (it must be UTF-8 JSON holding one object), or pass a valid config=."
+            ) from e
+        raise
+    except ImportError:
         raise
     except Exception as e:
         source = _config_source(request)
         if source is None:
-            raise  # a local folder with no config.json: transformers' "Unrecognized model in ..." says so
+            # a local folder with no config.json: transformers' "Unrecognized model in ..." (kept, it is what callers
+            # match), plus where it looked: its message names neither the subfolder nor the file
+            where = os.path.join(os.fspath(request.config) if request.config is not None else request.name_or_path, request.hub.subfolder)
+            raise ValueError(
+                f"{' '.join(str(e).split())} There is no {CONFIG_NAME} in {os.path.abspath(where)}"
+                + (f" (subfolder={request.hub.subfolder!r})" if request.hub.subfolder else "")
+                + ": pass the folder save_pretrained wrote, or config=."
+            ) from e
         raise ValueError(_config_error_message(e, source, request)) from e
+
+
+def _build(request: LoadRequest, model_class: type, config: Any, dtype: torch.dtype, model_kwargs: dict[str, Any]):
+    """``build_on_meta``, with the errors transformers' model code raises on nonsense config values (a ``KeyError``
+    for an unknown ``rope_type``, a ``ZeroDivisionError`` for ``num_key_value_heads=0``, torch's ``RuntimeError`` for
+    a negative size) wrapped into a ``ValueError`` naming the config file and the fields, as ``_load_config`` does."""
+    try:
+        return build_on_meta(model_class, config, dtype, request.model_args, model_kwargs)
+    except (KeyError, IndexError, ZeroDivisionError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        if isinstance(e, LowMemError) or _zero3.zero3_enabled():
+            raise
+        if isinstance(request.config, PreTrainedConfig):
+            source, values = "the config passed as config=", request.config.to_dict()
+        else:
+            source, values = _config_source(request), None
+            if source is None:
+                raise
+        raise ValueError(
+            _config_error_message(e, source, request, what=f"{model_class.__name__}", values=values)
+        ) from e
 
 
 def _config_source(request: LoadRequest) -> str | None:
@@ -461,28 +529,32 @@ def _config_source(request: LoadRequest) -> str | None:
     return f"{CONFIG_NAME} of the Hub repo {source!r}" + (f" (subfolder {subfolder!r})" if subfolder else "")
 
 
-def _config_error_message(error: Exception, source: str, request: LoadRequest) -> str:
-    values: dict[str, Any] = {}
-    if os.path.isfile(source):
+def _config_error_message(
+    error: Exception, source: str, request: LoadRequest, *, what: str = "a config", values: dict[str, Any] | None = None
+) -> str:
+    """``transformers could not build <what> from <source>: <error> [field: name=value]. <fix>``; ``values``: the
+    config's fields (default: read from ``source`` when it is a file)."""
+    values = dict(values or {})
+    if not values and os.path.isfile(source):
         try:
             with open(source, encoding="utf-8") as f:
                 values = dict(json.load(f))
         except (OSError, ValueError, TypeError):
             pass
     overrides = dict(request.config_overrides)
-    fields = _fields_named(error, set(values) | set(overrides))
+    fields = _fields_named(error, set(values) | set(overrides), values={**values, **overrides})
     named = "; ".join(
         f"{name}={short_repr(overrides[name])} (the keyword argument)" if name in overrides else f"{name}={short_repr(values[name])}"
         for name in fields
     )
     return (
-        f"transformers could not build a config from {source}: {type(error).__name__}: {' '.join(str(error).split()).rstrip('.')}"
+        f"transformers could not build {what} from {source}: {type(error).__name__}: {' '.join(str(error).split()).rstrip('.')}"
         + (f" [field: {named}]" if named else "")
         + ". Fix the value in that file (or the keyword argument), or pass a valid config=."
     )
 
 
-def _fields_named(error: Exception, keys: set[str]) -> list[str]:
+def _fields_named(error: Exception, keys: set[str], values: dict[str, Any] | None = None) -> list[str]:
     """The config fields an error from transformers' config code is about: the field of a strict-dataclass error,
     else the config keys its message names, else those named in the code line that raised (``self.hidden_size %
     self.num_attention_heads``), searched from the innermost frame out."""
@@ -493,6 +565,12 @@ def _fields_named(error: Exception, keys: set[str]) -> list[str]:
     named = [k for k in dict.fromkeys(re.findall(r"\w+", text)) if k in keys]
     if named:
         return named
+    if isinstance(error, KeyError) and values is not None:
+        # a value used as a key (rope_type='nonsense'): the fields whose value holds it
+        missing = {str(a) for a in error.args}
+        named = [k for k in sorted(keys) if k in values and missing & set(re.findall(r"[\w.-]+", repr(values[k])))]
+        if named:
+            return named
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         named = [k for k in dict.fromkeys(re.findall(r"\w+", frame.line or "")) if k in keys]
         if named:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from .distributed import check_distributed_config
-from .errors import UnsupportedArgumentError, short_repr
+from .errors import CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
@@ -230,6 +230,25 @@ def _single_device(device: Any, device_map: Any) -> torch.device:
     ``device`` or ``device_map`` is ``UnsupportedArgumentError`` (the switch hands ``device_map='meta'`` to
     transformers, which builds a model with no weights).
     """
+    chosen = _device_from(device, device_map)
+    if device is not None or device_map is not None:  # the ambient device fails as transformers fails on it
+        _check_available(chosen, f"device={short_repr(device)}" if device is not None else f"device_map={short_repr(device_map)}")
+    return chosen
+
+
+def _check_available(device: torch.device, shown: str) -> None:
+    """A device this torch build has (``torch.cuda.is_available()``...): else torch fails deep inside the load (an
+    ``AssertionError: Torch not compiled with CUDA enabled`` at the first allocation)."""
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if device.type != "cpu" and callable(available) and not available():
+        raise ValueError(
+            f"{shown} is {device}, but this process has no {device.type} device (torch.{device.type}.is_available() is "
+            f"False; torch {torch.__version__}). Pass device='cpu', or run where {device.type} is available."
+        )
+
+
+def _device_from(device: Any, device_map: Any) -> torch.device:
     given = device_map
     if device is None:  # ``device`` is lowmem_hf's own argument; transformers knows only device_map
         from transformers.integrations.accelerate import check_and_set_device_map
@@ -290,6 +309,17 @@ def _check_config(config: Any) -> None:
             f"config must be a transformers config (PreTrainedConfig), a path to a folder or a config.json, or None "
             f"(the checkpoint's own config.json), got {type(config).__name__} {short_repr(config)}."
         )
+    if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(os.fspath(config))
+        except HFValidationError:
+            raise CheckpointNotFoundError(
+                f"config={short_repr(os.fspath(config))} is neither a local folder or file nor a Hub repo id ('org/name'). "
+                "Check the path, or pass a transformers config object."
+            ) from None
 
 
 def _check_key_mapping(key_mapping: Any) -> None:
@@ -388,6 +418,12 @@ def make_request(
         argument = "torch_dtype" if torch_dtype is not None else "dtype"
         requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
     check_dtype_policy(dtype_policy)
+    if variant is not None and (not isinstance(variant, str) or not variant):
+        # transformers inserts it as it is: variant='' looks for model..safetensors and finds nothing
+        raise ValueError(
+            f"variant={short_repr(variant)} names no variant: expected a non-empty str such as 'fp16' (for "
+            "model.fp16.safetensors), or None for the plain weight files."
+        )
     _check_config(config)
     _check_key_mapping(key_mapping)
     if fetch not in FETCH_MODES:

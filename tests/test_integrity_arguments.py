@@ -156,3 +156,106 @@ def test_a_folder_without_config_json_keeps_transformers_own_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"^Unrecognized model in .*empty"):
         load(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# found by the property suite (tests/test_integrity_properties.py): raw exceptions that are now named
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, cause, field", [
+    (dict(rope_scaling={"rope_type": "nonsense"}), "KeyError", r"rope_scaling=\{'rope_type': 'nonsense'\}"),
+    (dict(rope_parameters={"rope_type": "nonsense", "rope_theta": 10000.0}), "KeyError", r"rope_parameters=\{'rope_type': 'nonsense'"),
+    (dict(num_key_value_heads=0), "ZeroDivisionError", r"num_attention_heads=4; num_key_value_heads=0"),
+    (dict(hidden_size=-64), "RuntimeError", r"vocab_size=96; hidden_size=-64"),
+], ids=["rope-type-nonsense", "rope-parameters-nonsense", "zero-kv-heads", "negative-width"])
+def test_config_values_that_break_building_the_model_name_the_file_and_the_field(llama, changes, cause, field):
+    # transformers' own from_pretrained raises the bare KeyError / ZeroDivisionError / RuntimeError from its model code
+    config_file = _edit_config(llama, **changes)
+    with pytest.raises((KeyError, ZeroDivisionError, RuntimeError)) as raw:
+        Auto.from_pretrained(llama)
+    assert type(raw.value).__name__ == cause
+    with pytest.raises(ValueError, match=rf"transformers could not build LlamaForCausalLM from {config_file}: {cause}: .*\[field: {field}") as e:
+        load(llama)
+    assert type(e.value.__cause__).__name__ == cause
+
+
+def test_a_config_object_that_breaks_building_is_named_as_the_config_argument(llama):
+    config = transformers.AutoConfig.from_pretrained(llama)
+    config.num_key_value_heads = 0
+    with pytest.raises(ValueError, match=r"could not build LlamaForCausalLM from the config passed as config=: ZeroDivisionError: .*"
+                                         r"num_key_value_heads=0"):
+        load(llama, config=config)
+
+
+@pytest.mark.parametrize("content", [b"{", b"", b"\xff\xfe{}"], ids=["cut", "empty", "not-utf8"])
+def test_a_config_json_that_is_not_json_names_the_file_and_the_decoder_error(llama, content):
+    (llama / "config.json").write_bytes(content)
+    with pytest.raises(lowmem_hf.CorruptCheckpointError, match=rf"^{llama / 'config.json'} is not a valid JSON file: (JSONDecodeError|UnicodeDecodeError): "):
+        load(llama)
+
+
+@pytest.mark.parametrize("value", [{"rope_type": "yarn"}, 5, ["model.safetensors"], ""], ids=repr)
+def test_transformers_weights_that_is_not_a_file_name_is_named(llama, value):
+    _edit_config(llama, transformers_weights=value)
+    with pytest.raises(ValueError, match=r"^config.json's transformers_weights is .*: expected the name of a weight file"):
+        load(llama)
+
+
+@pytest.fixture
+def float8_llama(llama):
+    """The tiny Llama with every weight stored as float8_e4m3fn and no dtype in config.json (an fp8 export)."""
+    weights = os.path.join(llama, "model.safetensors")
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    config = json.loads((llama / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (llama / "config.json").write_text(json.dumps(config))
+    return llama
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="auto"), dict()], ids=["auto", "default"])
+def test_dtype_auto_on_a_float8_checkpoint_is_named_where_transformers_fails_in_its_model_code(float8_llama, kwargs):
+    with pytest.raises(TypeError, match="couldn't find storage object Float8_e4m3fnStorage"):
+        Auto.from_pretrained(float8_llama, **kwargs)
+    with pytest.raises(ValueError, match=r"^dtype='auto' chose torch.float8_e4m3fn, the stored dtype of the first floating tensor in "
+                                         r".*model.safetensors \('.*'\): transformers builds models only in .*Pass dtype=torch.bfloat16"):
+        load(float8_llama, **kwargs)
+    _edit_config(float8_llama, dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"chose torch.float8_e4m3fn, the config's dtype \(.*config.json: dtype='float8_e4m3fn'\)"):
+        load(float8_llama, **kwargs)
+
+
+def test_a_declared_dtype_on_a_float8_checkpoint_casts_as_transformers_does(float8_llama):
+    ours, theirs = load(float8_llama, dtype=torch.bfloat16), Auto.from_pretrained(float8_llama, dtype=torch.bfloat16)
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kwargs, shown", [
+    (dict(device=0), "device=0 is cuda:0"),
+    (dict(device="cuda"), "device='cuda' is cuda"),
+    (dict(device_map={"": 0}), r"device_map=\{'': 0\} is cuda:0"),
+])
+def test_a_device_this_torch_build_lacks_is_named_before_the_load(kwargs, shown):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=rf"^{shown}, but this process has no cuda device"):
+        make_request(Auto, "x", **kwargs)
+
+
+def test_an_empty_variant_is_named_where_transformers_finds_no_file(llama):
+    with pytest.raises(OSError, match=r"model\.\.safetensors"):
+        Auto.from_pretrained(llama, variant="")
+    with pytest.raises(ValueError, match=r"^variant='' names no variant"):
+        load(llama, variant="")
+
+
+def test_a_config_path_that_does_not_exist_is_named_not_looked_up_as_a_repo(llama):
+    with pytest.raises(lowmem_hf.CheckpointNotFoundError, match=r"^config='/nonexistent/x' is neither a local folder or file nor a Hub repo id"):
+        load(llama, config="/nonexistent/x")
+
+
+@pytest.mark.parametrize("subfolder", ["x", "/"])
+def test_a_subfolder_without_config_json_says_where_it_looked(llama, subfolder):
+    # transformers' "Unrecognized model in <folder>" names neither the subfolder nor the file
+    with pytest.raises(ValueError, match=rf"^Unrecognized model in .*There is no config.json in {os.path.abspath(os.path.join(llama, subfolder))} \(subfolder='{subfolder}'\)"):
+        load(llama, subfolder=subfolder)
