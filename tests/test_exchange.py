@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import transformers
 
 from test_hub import weight_files
-from lowmem_hf.sources.exchange import Span, schedule_spans, span_pieces
+from lowmem_hf.sources.exchange import RankRuns, schedule_spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")
@@ -29,9 +30,9 @@ def test_schedule_covers_the_union_once_in_spans_shared_evenly():
         [("l0", "a", i * 100, i * 100 + 50) for i in range(40)] + [("l1", "b", 0, 1000)],
         [("l0", "a", i * 100 + 50, i * 100 + 100) for i in range(40)] + [("l1", "b", 0, 1000)],
     ]
-    wave_of, waves = schedule_spans(runs, span_bytes=300, wave_bytes=10_000)
-    spans = [s for wave in waves for s in wave]
-    assert wave_of == {"l0": 0, "l1": 0}
+    schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=10_000)
+    spans = [s for wave in schedule.waves for s in wave]
+    assert schedule.wave_of == {"l0": 0, "l1": 0}
     assert [(s.file, s.start, s.stop) for s in spans] == [
         ("a", 0, 300), ("a", 300, 600), ("a", 600, 900), ("a", 900, 1200), ("a", 1200, 1500), ("a", 1500, 1800),
         ("a", 1800, 2100), ("a", 2100, 2400), ("a", 2400, 2700), ("a", 2700, 3000), ("a", 3000, 3300),
@@ -40,16 +41,50 @@ def test_schedule_covers_the_union_once_in_spans_shared_evenly():
     ]  # each byte of the union once ("b" once, not once per rank), no span over 300 bytes
     owned = [sum(s.stop - s.start for s in spans if s.owner == r) for r in (0, 1)]
     assert abs(owned[0] - owned[1]) <= 300
-    _, small_waves = schedule_spans(runs, span_bytes=300, wave_bytes=1)
-    assert len(small_waves) == 2  # one wave per submodule, in plan order
+    small = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1)
+    assert small.wave_of == {"l0": 0, "l1": 1} and len(small.waves) == 2  # one wave per submodule, in plan order
 
 
 def test_a_span_gives_each_rank_only_the_parts_its_runs_cover():
-    spans = [Span("a", 0, 300, 0), Span("a", 300, 600, 1), Span("b", 0, 300, 1)]
-    # alternating rows of "a" (a dim-1 slice), one run across two spans, and all of "b"
-    need = [("a", 0, 50), ("a", 100, 150), ("a", 280, 320), ("a", 400, 450), ("b", 0, 300)]
-    assert span_pieces(need, spans) == [[(0, 50), (100, 150), (280, 300)], [(300, 320), (400, 450)], [(0, 300)]]
-    assert span_pieces([("a", 600, 700)], spans) == [[], [], []]  # touching a span's end is not needing it
+    # rank 0: alternating rows of "a" (a dim-1 slice), one run across a span boundary, and all of "b";
+    # rank 1: the rest of "a" and none of "b"
+    mine = [("l0", "a", 0, 50), ("l0", "a", 100, 150), ("l0", "a", 280, 320), ("l0", "a", 400, 450), ("l1", "b", 0, 300)]
+    theirs = [("l0", "a", 50, 100), ("l0", "a", 150, 280), ("l0", "a", 320, 400), ("l0", "a", 450, 600)]
+    schedule = schedule_spans([RankRuns.from_tuples(mine), RankRuns.from_tuples(theirs)], span_bytes=300, wave_bytes=10_000)
+    spans = schedule.waves[0]
+    assert [(s.file, s.start, s.stop) for s in spans] == [("a", 0, 300), ("a", 300, 600), ("b", 0, 300)]
+
+    def pieces(rank):
+        return [list(zip(*(x.tolist() for x in schedule.pieces(rank, 0, s)))) for s in spans]
+
+    assert pieces(0) == [[(0, 50), (100, 150), (280, 300)], [(300, 320), (400, 450)], [(0, 300)]]
+    assert pieces(1) == [[(50, 100), (150, 280)], [(320, 400), (450, 600)], []]
+
+
+def test_the_pieces_of_every_span_are_exactly_the_bytes_each_rank_reads():
+    rng = random.Random(0)
+    runs = [[] for _ in range(3)]
+    for sub in range(12):  # overlapping, touching and disjoint runs of two files, in plan order
+        for rank in range(3):
+            for _ in range(rng.randrange(0, 4)):
+                start = rng.randrange(0, 2000)
+                runs[rank].append((f"l{sub}", rng.choice("ab"), start, start + rng.randrange(1, 300)))
+    schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=128, wave_bytes=700)
+    assert len(schedule.waves) > 2
+    for rank in range(3):
+        for w, wave in enumerate(schedule.waves):
+            got = {f: [0] * 2300 for f in "ab"}
+            for span in wave:
+                for a, b in zip(*(x.tolist() for x in schedule.pieces(rank, w, span))):
+                    assert span.start <= a < b <= span.stop
+                    for i in range(a, b):
+                        got[span.file][i] += 1
+            want = {f: [0] * 2300 for f in "ab"}
+            for sub, f, a, b in runs[rank]:
+                if schedule.wave_of[sub] == w:
+                    for i in range(a, b):
+                        want[f][i] = 1
+            assert got == want, (rank, w)  # in each wave, each byte the rank reads there once, and nothing else
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ and every rank fetches the replicated tensors again; here the ranks fetch togeth
    changed file); then the ranks post a status to the process group's store and wait for everyone's, with a
    timeout: a rank that died or failed is named on every rank, and a changed file raises
    ``RemoteFileChangedError`` everywhere. Then each span's owner sends every other rank only the bytes of the
-   span that rank's runs cover (``span_pieces``; point to point over gloo, one message per span and rank that
+   span that rank's runs cover (``Schedule.pieces``; point to point over gloo, one message per span and rank that
    needs any of it), and the readers copy their bytes out of their own spans and the pieces they received. So
    a rank receives at most the bytes its plan reads, less those in its own spans; a broadcast of every span
    gave each rank the whole checkpoint, three times what it reads at tp 3.
@@ -37,7 +37,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from ..types import LoadPlan, RemoteFile
 from . import ByteSource
 from .http import HttpRanges
 
-__all__ = ["CooperativeRanges", "schedule_spans", "span_pieces", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
+__all__ = ["CooperativeRanges", "schedule_spans", "Schedule", "RankRuns", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
 
 DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
@@ -67,93 +67,132 @@ class Span:
     owner: int
 
 
-def _runs(plan: LoadPlan) -> list[tuple[str, str, int, int]]:
-    """This rank's byte runs ``(submodule, file, start, stop)``, in plan order."""
-    out = []
+@dataclass(frozen=True, eq=False)
+class RankRuns:
+    """One rank's planned byte runs, as one table: a dim-1 slice is one run per row, tens of thousands per rank
+    on a small model, and as Python tuples gathering and scheduling them took seconds."""
+
+    submodules: tuple[str, ...]
+    """The submodules that read anything, in plan order."""
+    files: tuple[str, ...]
+    """The files read, in order of first use."""
+    table: np.ndarray
+    """int64 ``[n, 4]``: submodule index, file index, start, stop (bytes of the file), in plan order."""
+
+    @classmethod
+    def from_tuples(cls, runs: Iterable[tuple[str, str, int, int]]) -> RankRuns:
+        """From ``(submodule, file, start, stop)`` runs in plan order (for tests and small plans)."""
+        subs: dict[str, int] = {}
+        files: dict[str, int] = {}
+        rows = [(subs.setdefault(sub, len(subs)), files.setdefault(file, len(files)), a, b) for sub, file, a, b in runs]
+        return cls(tuple(subs), tuple(files), np.array(rows, dtype=np.int64).reshape(-1, 4))
+
+
+def _runs(plan: LoadPlan) -> RankRuns:
+    """This rank's byte runs, in plan order."""
+    subs: list[str] = []
+    files: dict[str, int] = {}
+    blocks = []
     for sub in plan.submodules:
         infos = [(r.source, r.shard) for r in sub.reads] + [(i, None) for c in sub.conversions for _, i in c.sources]
+        before = len(blocks)
         for info, shard in infos:
-            size = info.dtype.itemsize
-            out += [(sub.name, info.file, info.offset + a * size, info.offset + (a + n) * size) for a, n in element_runs(info.shape, shard)]
-    return out
+            runs = element_runs(info.shape, shard)
+            if not runs:
+                continue
+            elements = np.array(runs, dtype=np.int64).reshape(-1, 2)
+            block = np.empty((len(elements), 4), dtype=np.int64)
+            block[:, 0] = len(subs)
+            block[:, 1] = files.setdefault(info.file, len(files))
+            block[:, 2] = info.offset + elements[:, 0] * info.dtype.itemsize
+            block[:, 3] = block[:, 2] + elements[:, 1] * info.dtype.itemsize
+            blocks.append(block)
+        if len(blocks) > before:
+            subs.append(sub.name)
+    table = np.concatenate(blocks) if blocks else np.empty((0, 4), dtype=np.int64)
+    return RankRuns(tuple(subs), tuple(files), table)
 
 
-def _union(runs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Merged ``(file, start, stop)`` intervals covering ``runs`` (touching intervals merge)."""
-    merged: list[list] = []
-    for file, start, stop in sorted(runs):
-        if merged and merged[-1][0] == file and start <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], stop)
-        else:
-            merged.append([file, start, stop])
-    return [tuple(m) for m in merged]
+def _merge(keys: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per key, the union of the ``[start, stop)`` intervals (touching ones merge), sorted by ``(key, start)``."""
+    if len(keys) == 0:
+        return keys, starts, stops
+    order = np.lexsort((starts, keys))
+    keys, starts, stops = keys[order], starts[order], stops[order]
+    group = np.concatenate(([0], np.cumsum(keys[1:] != keys[:-1])))
+    # the furthest stop so far within the key: offsetting each key's stops past every earlier key's lets one
+    # running maximum serve all keys (offsets stay far below 2**63: groups < 2**22, files < 2**40 bytes)
+    reach = np.maximum.accumulate(stops + (group << 40))
+    new = np.ones(len(keys), dtype=bool)
+    new[1:] = (group[1:] != group[:-1]) | (starts[1:] + (group[1:] << 40) > reach[:-1])
+    first = np.flatnonzero(new)
+    return keys[first], starts[first], np.maximum.reduceat(stops, first)
 
 
-def schedule_spans(
-    runs_by_rank: list[list[tuple[str, str, int, int]]], *, span_bytes: int, wave_bytes: int
-) -> tuple[dict[str, int], list[list[Span]]]:
+@dataclass(frozen=True)
+class Schedule:
+    """The cooperative schedule, the same on every rank (``schedule_spans``)."""
+
+    wave_of: dict[str, int]
+    """The wave of each submodule that reads anything."""
+    waves: list[list[Span]]
+    """Per wave, its spans (sorted by file, then offset), with owners."""
+    needs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """Per rank, the bytes it reads: ``(keys, starts, stops)``, merged and sorted, key ``wave * files + file``."""
+    file_index: dict[str, int]
+    """Each file's number in the keys of ``needs``."""
+
+    def pieces(self, rank: int, wave: int, span: Span) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)``: the parts of ``span`` (of ``wave``) that ``rank`` reads, ascending; what the span's
+        owner sends that rank, concatenated in this order."""
+        keys, starts, stops = self.needs[rank]
+        key = wave * len(self.file_index) + self.file_index[span.file]
+        lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+        first = lo + np.searchsorted(stops[lo:hi], span.start, "right")
+        last = lo + np.searchsorted(starts[lo:hi], span.stop, "left")
+        return np.maximum(starts[first:last], span.start), np.minimum(stops[first:last], span.stop)
+
+
+def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes: int) -> Schedule:
     """The cooperative schedule every rank computes alike from everyone's runs (a pure function).
 
-    Returns ``{submodule: wave index}`` and, per wave, its spans with owners. Submodules keep the order in
-    which they first appear (plan order, the same on every rank); a wave closes once it holds ``wave_bytes``.
+    Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
+    it holds ``wave_bytes``. A wave's bytes are the union of every rank's runs in it, cut into spans of at most
+    ``span_bytes``, each owned by the rank with the fewest bytes so far.
     """
-    order: dict[str, list] = {}
+    files = sorted({f for runs in runs_by_rank for f in runs.files})
+    file_index = {f: i for i, f in enumerate(files)}
+    subs: dict[str, int] = {}
     for runs in runs_by_rank:
-        for sub, file, start, stop in runs:
-            order.setdefault(sub, []).append((file, start, stop))
-    wave_of, waves, current, size = {}, [], [], 0
-    for sub, runs in order.items():
-        wave_of[sub] = len(waves)
-        current += runs
-        size += sum(b - a for _, a, b in _union(runs))
-        if size >= wave_bytes:
-            waves.append(current)
-            current, size = [], 0
-    if current:
-        waves.append(current)
+        for name in runs.submodules:
+            subs.setdefault(name, len(subs))
+    tables = []  # per rank, global numbers: (submodule, file, start, stop)
+    for runs in runs_by_rank:
+        sub_map = np.array([subs[n] for n in runs.submodules] or [0], dtype=np.int64)
+        file_map = np.array([file_index[f] for f in runs.files] or [0], dtype=np.int64)
+        t = runs.table
+        tables.append((sub_map[t[:, 0]], file_map[t[:, 1]], t[:, 2], t[:, 3]))
+    sub, file, start, stop = (np.concatenate([t[i] for t in tables]) for i in range(4))
+    n_files = max(1, len(files))
+    keys, a, b = _merge(sub * n_files + file, start, stop)
+    size_of = np.bincount(keys // n_files, weights=b - a, minlength=len(subs))  # bytes of each submodule's union
+    wave_of_sub, wave, size = np.zeros(len(subs), dtype=np.int64), 0, 0
+    for i in range(len(subs)):
+        wave_of_sub[i] = wave
+        size += int(size_of[i])
+        if size >= wave_bytes and i + 1 < len(subs):
+            wave, size = wave + 1, 0
+    waves: list[list[Span]] = [[] for _ in range(wave + 1 if len(subs) else 0)]
     owned = [0] * len(runs_by_rank)
-    spans_per_wave = []
-    for wave in waves:
-        spans = []
-        for file, start, stop in _union(wave):
-            for a in range(start, stop, span_bytes):
-                owner = min(range(len(owned)), key=lambda r: (owned[r], r))
-                b = min(stop, a + span_bytes)
-                owned[owner] += b - a
-                spans.append(Span(file, a, b, owner))
-        spans_per_wave.append(spans)
-    return wave_of, spans_per_wave
-
-
-def wave_needs(
-    runs_by_rank: list[list[tuple[str, str, int, int]]], wave_of: Mapping[str, int], waves: int
-) -> list[list[list[tuple[str, int, int]]]]:
-    """``[wave][rank]``: the merged ``(file, start, stop)`` intervals that rank reads in that wave (a pure function)."""
-    needs: list[list[list]] = [[[] for _ in runs_by_rank] for _ in range(waves)]
-    for rank, runs in enumerate(runs_by_rank):
-        for sub, file, start, stop in runs:
-            needs[wave_of[sub]][rank].append((file, start, stop))
-    return [[_union(runs) for runs in wave] for wave in needs]
-
-
-def span_pieces(need: list[tuple[str, int, int]], spans: list[Span]) -> list[list[tuple[int, int]]]:
-    """Per span, the ``[start, stop)`` parts of it that ``need`` covers, ascending (a pure function).
-
-    ``need`` is merged and sorted by ``(file, start)`` (``_union``); ``spans`` are sorted alike, as a wave's
-    are. A span's pieces for a rank are what its owner sends that rank, concatenated, in this order.
-    """
-    out: list[list[tuple[int, int]]] = [[] for _ in spans]
-    first = 0
-    for k, span in enumerate(spans):
-        while first < len(need) and (need[first][0], need[first][2]) <= (span.file, span.start):
-            first += 1  # ends before this span (and, spans being sorted, before every later one)
-        i = first
-        while i < len(need) and (need[i][0], need[i][1]) < (span.file, span.stop):
-            file, start, stop = need[i]
-            if file == span.file and max(start, span.start) < min(stop, span.stop):
-                out[k].append((max(start, span.start), min(stop, span.stop)))
-            i += 1
-    return out
+    for key, lo, hi in zip(*(x.tolist() for x in _merge(wave_of_sub[sub] * n_files + file, start, stop))):
+        for at in range(lo, hi, span_bytes):
+            owner = min(range(len(owned)), key=lambda r: (owned[r], r))
+            end = min(hi, at + span_bytes)
+            owned[owner] += end - at
+            waves[key // n_files].append(Span(files[key % n_files], at, end, owner))
+    needs = [_merge(wave_of_sub[s] * n_files + f, a_, b_) for s, f, a_, b_ in tables]
+    wave_of = {name: int(wave_of_sub[i]) for name, i in subs.items()}
+    return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index)
 
 
 class CooperativeRanges(ByteSource):
@@ -184,8 +223,8 @@ class CooperativeRanges(ByteSource):
         gathered: list = [None] * self._world
         dist.all_gather_object(gathered, runs)
         wave_bytes = wave_bytes if wave_bytes is not None else max(DEFAULT_WAVE_BYTES, 2 * self._world * span_bytes)
-        self._wave_of, self._waves = schedule_spans(gathered, span_bytes=span_bytes, wave_bytes=wave_bytes)
-        self._needs = wave_needs(gathered, self._wave_of, len(self._waves))
+        self._schedule = schedule_spans(gathered, span_bytes=span_bytes, wave_bytes=wave_bytes)
+        self._wave_of, self._waves = self._schedule.wave_of, self._schedule.waves
         del gathered
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._next_wave = 0
@@ -274,30 +313,28 @@ class CooperativeRanges(ByteSource):
     def _exchange(self, index: int, data: dict[int, torch.Tensor]) -> dict[str, _Pieces]:
         """Send each rank the pieces of this rank's spans it reads, receive this rank's pieces of the others'
         spans; return what this rank holds of the wave, per file."""
-        spans, needs = self._waves[index], self._needs[index]
-        self._needs[index] = None  # this wave's schedule is used up
         held: dict[str, _Pieces] = {}
-        for s in spans:
-            if s.owner == self._rank:
-                held.setdefault(s.file, _Pieces()).add(s.start, [(s.start, s.stop)], data[id(s)])
         receives, sends = [], []  # (tensor, peer, tag); a span's index in the wave tags its pieces
-        for rank in range(self._world):
-            pieces = span_pieces(needs[rank], spans)
-            for k, s in enumerate(spans):
-                if not pieces[k] or (rank == self._rank) == (s.owner == self._rank):
-                    continue  # nothing of it needed, or an own span (held whole), or a span between two others
-                if rank == self._rank:
-                    into = torch.empty(sum(b - a for a, b in pieces[k]), dtype=torch.uint8)
-                    held.setdefault(s.file, _Pieces()).add(s.start, pieces[k], into, packed=True)
+        for k, s in enumerate(self._waves[index]):
+            if s.owner == self._rank:
+                held.setdefault(s.file, _Pieces()).add(np.array([s.start]), np.array([s.stop]), data[id(s)], packed=False)
+                for rank in range(self._world):
+                    if rank != self._rank:
+                        starts, stops = self._schedule.pieces(rank, index, s)
+                        if len(starts):
+                            sends.append((_pack(data[id(s)], s.start, starts, stops), rank, k))
+            else:
+                starts, stops = self._schedule.pieces(self._rank, index, s)
+                if len(starts):
+                    into = torch.empty(int((stops - starts).sum()), dtype=torch.uint8)
+                    held.setdefault(s.file, _Pieces()).add(starts, stops, into, packed=True)
                     receives.append((into, s.owner, k))
-                else:
-                    sends.append((_pack(data[id(s)], s.start, pieces[k]), rank, k))
         works = []
         try:
             # every receive is posted before any send, so no pair of ranks can wait on each other's receive
-            works += [(dist.irecv(t, src=peer, group=self._group, tag=tag), peer) for t, peer, tag in receives]
-            works += [(dist.isend(t, dst=peer, group=self._group, tag=tag), peer) for t, peer, tag in sends]
-            for work, _ in works:
+            works += [dist.irecv(t, src=peer, group=self._group, tag=tag) for t, peer, tag in receives]
+            works += [dist.isend(t, dst=peer, group=self._group, tag=tag) for t, peer, tag in sends]
+            for work in works:
                 work.wait()
         except RuntimeError as error:
             # gloo says only that a connection broke, and only to the ranks that exchanged with the dead one: the
@@ -320,14 +357,13 @@ class CooperativeRanges(ByteSource):
             self.bytes_fetched += span.stop - span.start
 
 
-def _pack(span_data: torch.Tensor, span_start: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
-    """The bytes of ``pieces`` of a span, concatenated: a view of the span where they are one run, else a copy."""
-    if len(pieces) == 1:
-        a, b = pieces[0]
-        return span_data[a - span_start : b - span_start]
+def _pack(span_data: torch.Tensor, span_start: int, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
+    """The bytes ``[starts, stops)`` of a span, concatenated: a view of the span where they are one run, else a copy."""
+    if len(starts) == 1:
+        return span_data[int(starts[0]) - span_start : int(stops[0]) - span_start]
     src = span_data.numpy()
-    out = np.empty(sum(b - a for a, b in pieces), dtype=np.uint8)
-    np.concatenate([src[a - span_start : b - span_start] for a, b in pieces], out=out)
+    out = np.empty(int((stops - starts).sum()), dtype=np.uint8)
+    np.concatenate([src[a:b] for a, b in zip((starts - span_start).tolist(), (stops - span_start).tolist())], out=out)
     return torch.from_numpy(out)
 
 
@@ -336,33 +372,37 @@ class _Pieces:
     ``[start, stop)`` runs, each at a position of a buffer."""
 
     def __init__(self):
-        self._runs: list[tuple[int, int, memoryview, int]] = []  # (start, stop, buffer, position of start in it)
-        self._starts: list[int] = []
+        self._parts: list[tuple[np.ndarray, np.ndarray, int, np.ndarray]] = []  # (starts, stops, buffer, positions)
+        self._buffers: list[memoryview] = []
 
-    def add(self, base: int, pieces: list[tuple[int, int]], data: torch.Tensor, *, packed: bool = False) -> None:
-        """``pieces`` of the file in ``data``: concatenated (``packed``), or at their offset from ``base``."""
-        buffer, at = memoryview(data.numpy()), 0
-        for a, b in pieces:
-            self._runs.append((a, b, buffer, at if packed else a - base))
-            at += b - a
+    def add(self, starts: np.ndarray, stops: np.ndarray, data: torch.Tensor, *, packed: bool) -> None:
+        """Runs ``[starts, stops)`` of the file held in ``data``: concatenated (``packed``), or ``data`` holds
+        ``[starts[0], stops[-1])`` whole."""
+        positions = np.concatenate(([0], np.cumsum(stops - starts)[:-1])) if packed else starts - starts[0]
+        self._parts.append((starts, stops, len(self._buffers), positions))
+        self._buffers.append(memoryview(data.numpy()))
 
     def seal(self) -> None:
-        self._runs.sort(key=lambda run: run[0])
-        self._starts = [run[0] for run in self._runs]
+        """Index the runs for ``copy`` (after the last ``add``)."""
+        starts, stops, buffers, positions = (np.concatenate(x) for x in zip(*[
+            (a, b, np.full(len(a), i), p) for a, b, i, p in self._parts
+        ]))
+        order = np.argsort(starts, kind="stable")
+        self._starts, self._stops, self._buffer_of, self._positions = (
+            x[order].tolist() for x in (starts, stops, buffers, positions)
+        )
 
     def copy(self, view: memoryview, offset: int) -> bool:
         """Fill ``view`` with the bytes from ``offset``; False if some of them are not held."""
         i = bisect.bisect_right(self._starts, offset) - 1
-        done, runs = 0, self._runs
+        done = 0
         while done < len(view):
-            if i < 0 or i >= len(runs):
-                return False
-            start, stop, buffer, at = runs[i]
             pos = offset + done
-            if not start <= pos < stop:
+            if i < 0 or i >= len(self._starts) or not self._starts[i] <= pos < self._stops[i]:
                 return False
-            take = min(len(view) - done, stop - pos)
-            view[done : done + take] = buffer[at + pos - start : at + pos - start + take]
+            take = min(len(view) - done, self._stops[i] - pos)
+            at = self._positions[i] + pos - self._starts[i]
+            view[done : done + take] = self._buffers[self._buffer_of[i]][at : at + take]
             done += take
             i += 1
         return True
