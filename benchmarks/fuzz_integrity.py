@@ -25,15 +25,15 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
-# huggingface_hub reads these once, at import: a private HF_HOME, offline except where a trial points it at its
-# own loopback Hub
-_HF_HOME = tempfile.mkdtemp(prefix="fuzz-hf-home-")
-os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
-
-import integrity_fuzz as fuzz  # noqa: E402
+import integrity_fuzz as fuzz  # noqa: E402  (imports nothing of the stack at module level)
 
 
 def main(argv=None) -> int:
+    # huggingface_hub reads these once, at import (in the fork server, started below): a private HF_HOME, offline
+    # except where a trial points it at its own loopback Hub. Not at module level: every trial's child runs this
+    # module again as __mp_main__
+    hf_home = tempfile.mkdtemp(prefix="fuzz-hf-home-")
+    os.environ.update(HF_HOME=hf_home, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=400, help="trials in all, split evenly over the categories")
     parser.add_argument("--seed", type=int, default=0)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - started
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(_HF_HOME, ignore_errors=True)
+        shutil.rmtree(hf_home, ignore_errors=True)
 
     print(f"python benchmarks/fuzz_integrity.py --examples {args.examples} --seed {args.seed}"
           + (f" --categories '{args.categories}'" if args.categories != ",".join(fuzz.GENERATORS) else ""))

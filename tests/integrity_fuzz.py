@@ -451,8 +451,8 @@ def gen_dcp(pick: Pick) -> Trial:
                            "dtype", "size", "drop-storage", "drop-key", "swap-storage", "metadata-bytes",
                            "cut-distcp", "no-distcp"])
     else:
-        how = pick.choice(["info-key", "info-offsets", "info-shape", "info-dtype", "info-json", "info-missing",
-                           "info-drop-key", "shard-header-cut"])
+        how = pick.choice(["info-key", "info-offsets", "info-offsets-type", "info-offsets-rank", "info-json",
+                           "info-missing", "info-drop-key", "info-version", "shard-header-cut"])
     return Trial("dcp metadata", "damage_dcp", dict(kind=kind, how=how, key_index=pick.integer(0, 40),
                                                     n=pick.choice([-1, 1, 2, 7, 64, 4096, 10**6])))
 
@@ -538,7 +538,7 @@ def damage_dcp(ws, scratch, *, kind, how, key_index, n):
         length, raw_header, data = _split(path)
         header = json.loads(raw_header)
         meta = header.get("__metadata__") or {}
-        info_key = next((k for k in meta if k != "format"), None)
+        info_key = "DCP_VERSION" if how == "info-version" else "DCP_SHARDING_INFO" if "DCP_SHARDING_INFO" in meta else None
         if how == "shard-header-cut":
             with open(path, "wb") as f:
                 f.write(struct.pack("<Q", length) + raw_header + data[: len(data) // 2])
@@ -557,17 +557,15 @@ def damage_dcp(ws, scratch, *, kind, how, key_index, n):
                 info["model.nonexistent.weight"] = info.pop(k)
             elif how == "info-drop-key":
                 del info[k]
-            elif how in ("info-offsets", "info-shape"):
-                entry = info[k]
-                field_name = next((f for f in entry if ("offset" if how == "info-offsets" else "shape") in f), None)
-                if field_name is not None and isinstance(entry[field_name], list) and entry[field_name]:
-                    entry[field_name][0] += n
-            elif how == "info-dtype":
-                entry = info[k]
-                field_name = next((f for f in entry if "dtype" in f), None)
-                if field_name is not None:
-                    entry[field_name] = {-1: "torch.int8", 1: "float16", 2: "bogus", 7: None}.get(n, "torch.float64")
+            elif how == "info-offsets":  # DCP_SHARDING_INFO: {key: {"saved_offsets": [...]}}
+                info[k]["saved_offsets"][0] += n
+            elif how == "info-offsets-type":
+                info[k]["saved_offsets"] = [str(x) for x in info[k]["saved_offsets"]] if n > 0 else None
+            elif how == "info-offsets-rank":
+                info[k]["saved_offsets"] = info[k]["saved_offsets"] + [0] if n > 0 else info[k]["saved_offsets"][:-1]
             text = json.dumps(info)
+        elif how == "info-version":
+            text = {-1: "", 1: "x", 2: "2.0", 7: "-1"}.get(n, "1.0.0")
         if how == "info-json":
             text = text[: len(text) // 2]
         elif how == "info-missing":
@@ -594,10 +592,27 @@ _CONFIG_VALUES = [0, -1, -64, 1, 3, 65, 10**12, 2.5, float("nan"), "abc", "nonse
                   "float8_e4m3fn", "int8", "bfloat16", "../outside.safetensors", "gpt2"]
 
 
+# values aimed at one field (half of the draws), besides the ones any field may get
+_FIELD_VALUES = {
+    "rope_scaling": [{"rope_type": "nonsense"}, {"rope_type": "linear"}, {"rope_type": "yarn", "factor": "x"},
+                     {"rope_type": "dynamic", "factor": 0.0}, {"rope_type": "llama3", "factor": 8.0}, {"type": "nonsense"}],
+    "rope_parameters": [{"rope_type": "nonsense", "rope_theta": 10000.0}, {"rope_type": "default"}, {"rope_theta": -1.0},
+                        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, {"rope_type": 5}],
+    "num_key_value_heads": [0, -2, 3, 5, 8],
+    "num_attention_heads": [0, 3, 5, 8, -4],
+    "head_dim": [0, 8, 15, 17, -16],
+    "hidden_act": ["nonsense", "gelu", "relu2", ""],
+    "layer_types": [["full_attention"], ["sliding_attention", "full_attention"], ["nonsense", "nonsense"]],
+    "dtype": ["float8_e4m3fn", "int8", "bfloat16", "nonsense", "float64", "complex64"],
+}
+
+
 def gen_config(pick: Pick) -> Trial:
     how = pick.choice(["field"] * 5 + ["delete-field", "file-bytes"])
+    name = pick.choice(_CONFIG_FIELDS)
+    values = _FIELD_VALUES.get(name, _CONFIG_VALUES) if pick.flag() else _CONFIG_VALUES
     return Trial("config", "damage_config", dict(
-        how=how, field=pick.choice(_CONFIG_FIELDS), value=pick.choice(_CONFIG_VALUES),
+        how=how, field=name, value=pick.choice(values),
         raw=pick.choice([b"", b"{", b"[]", b"null", b"\xff\xfe{}", b'{"model_type": "llama"', b'{"model_type": 5}'])))
 
 
@@ -818,8 +833,8 @@ def gen_disk_full(pick: Pick) -> Trial:
 def gen_kill(pick: Pick) -> Trial:
     return Trial("kill during save", "kill_during_save", dict(
         old=pick.choice(sorted(SAVE_LAYOUTS)), new=pick.choice(sorted(SAVE_LAYOUTS)),
-        at=pick.choice(["os.replace", "os.remove", "os.link", "os.write", "os.fsync", "os.rename", "os.open"]),
-        nth=pick.integer(1, 30)))
+        at=pick.choice(KILL_POINTS),
+        percent=pick.integer(0, 100)))
 
 
 def _save_model(seed: int):
@@ -841,7 +856,7 @@ def _judge_folder(folder: str, old, new, *, rank_files: bool, error: BaseExcepti
     if not which:
         return Outcome("lost", f"loads as neither checkpoint; files {sorted(os.listdir(folder))}")
     if error is None:
-        return Outcome("intact", f"the save went through; loads as {which[0]}")
+        return Outcome("intact", f"loads as {which[0]}")
     outcome = _classify_error(error)
     if which == ["new"] and outcome.kind == "named":
         return Outcome("named", "failed after the switch: " + outcome.detail)
@@ -893,35 +908,76 @@ def save_on_full_disk(ws, scratch, *, old, new, how, room_percent):
             os.system(f"umount {disk} >/dev/null 2>&1")
 
 
-def kill_during_save(ws, scratch, *, old, new, at, nth):
-    """A re-save in a grandchild that dies (SIGKILL) at the ``nth`` call of ``at``; the folder must load whole."""
+KILL_POINTS = ("os.replace", "os.remove", "os.link", "os.pwrite", "os.fsync", "os.open", "os.rmdir", "os.makedirs")
+"""The calls a save is killed at: every write, rename, link and removal of its write-aside-then-switch."""
+
+
+def kill_during_save(ws, scratch, *, old, new, at, percent):
+    """A re-save in a grandchild that dies (SIGKILL) at one call of ``at`` (or, if the save makes none, of the next
+    kill point it makes): the ``percent``-th percentile of those calls, counted by a first, unharmed save of the same
+    models into a copy. The folder must load as the old or the new checkpoint, whole."""
     import lowmem_hf
 
     old_model, new_model = _save_model(0), _save_model(1)
-    out = os.path.join(scratch, "out")
+    out, dry = os.path.join(scratch, "out"), os.path.join(scratch, "dry")
     lowmem_hf.save_pretrained(old_model, out, **SAVE_LAYOUTS[old])
+    shutil.copytree(out, dry)
+    counts = _save_in_grandchild(new_model, dry, SAVE_LAYOUTS[new])
+    if counts is None:
+        return Outcome("raw", "the save raised without a kill")
+    points = KILL_POINTS[KILL_POINTS.index(at):] + KILL_POINTS[: KILL_POINTS.index(at)]
+    at = next(p for p in points if counts.get(p))
+    nth = 1 + (counts[at] - 1) * percent // 100
+    status = _save_in_grandchild(new_model, out, SAVE_LAYOUTS[new], kill=(at, nth))
+    if status != -signal.SIGKILL:
+        return Outcome("raw", f"the save was to be killed at {at} call {nth} of {counts[at]}; it ended with {status}")
+    outcome = _judge_folder(out, old_model, new_model, rank_files=new == "rank files" or old == "rank files", error=None)
+    return Outcome(outcome.kind, f"killed at {at} call {nth} of {counts[at]}: {outcome.detail}")
+
+
+def _save_in_grandchild(model, out: str, layout: dict, *, kill: tuple[str, int] | None = None):
+    """Save ``model`` into ``out`` in a forked grandchild that counts its calls of each ``KILL_POINTS`` function.
+    ``kill=(name, n)``: it SIGKILLs itself at the n-th call of ``name`` and this returns its exit status
+    (``-SIGKILL``); else ``{name: calls}``, or None if the save raised."""
+    import lowmem_hf
+
+    read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        module, name = at.split(".")
-        real, calls = getattr(os, name), [0]
+        os.close(read)
+        counts = dict.fromkeys(KILL_POINTS, 0)
 
-        def dying(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
+        def counting(point):
+            real = getattr(os, point.split(".")[1])
 
-        setattr(os, name, dying)
+            def call(*args, **kwargs):
+                counts[point] += 1
+                if kill == (point, counts[point]):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+
+            return real, call
+
+        reals = {}
+        for point in KILL_POINTS:
+            reals[point], patched = counting(point)
+            setattr(os, point.split(".")[1], patched)
         try:
-            lowmem_hf.save_pretrained(new_model, out, **SAVE_LAYOUTS[new])
-        except BaseException:  # noqa: BLE001
+            lowmem_hf.save_pretrained(model, out, **layout)
+        except BaseException:  # noqa: BLE001 - a save that raises without a kill: the caller says so
             os._exit(2)
+        for point, real in reals.items():
+            setattr(os, point.split(".")[1], real)
+        os.write(write, json.dumps(counts).encode())
         os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        reported = f.read()
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    if code == 2:
-        return Outcome("raw", "the save raised without a kill")
-    return _judge_folder(out, old_model, new_model, rank_files=new == "rank files" or old == "rank files", error=None)
+    if kill is not None:
+        return code
+    return json.loads(reported) if code == 0 else None
 
 
 def _die(ws, scratch, *, how):
