@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -370,6 +371,18 @@ def resolve_hub(
 
     is_safetensors = names[0].endswith(".safetensors")
     tensors, remote, local_paths = {}, {}, {}
+    headers = {}  # remote safetensors shards: (RemoteFile, header), read concurrently
+    if is_safetensors and not offline:
+        todo = [n for n in names if _cached(repo_id, _repo_path(n, hub), commit, hub) is None]
+        if len(todo) > 1:
+            # each shard costs three requests in a row (HEAD, header length, header); with the Hub's per-request
+            # latency, shards one after another were most of the planning of a fetch="ranges" load
+            def header(name: str):
+                planned_remote = planned(name)
+                return planned_remote, _remote_header(planned_remote, hub)
+
+            with ThreadPoolExecutor(max_workers=min(8, len(todo)), thread_name_prefix="lowmem-headers") as pool:
+                headers = dict(zip(todo, pool.map(header, todo)))  # the first error, in shard order, is raised
     fmt = CheckpointFormat.SAFETENSORS if is_safetensors else None
     for name in names:
         repo_path = _repo_path(name, hub)
@@ -384,6 +397,8 @@ def resolve_hub(
         elif offline:
             cached = _download(repo_id, name, commit, hub)  # raises huggingface_hub's own offline error
             infos, nbytes = safetensors.read_header(cached)
+        elif name in headers:
+            remote[repo_path], (infos, nbytes) = headers[name]
         else:
             remote[repo_path] = planned(name)
             infos, nbytes = _remote_header(remote[repo_path], hub)
