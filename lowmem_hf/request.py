@@ -322,6 +322,19 @@ def _check_config(config: Any) -> None:
             ) from None
 
 
+def _check_generation_config(generation_config: Any) -> None:
+    """transformers copies it with ``generation_config.to_dict()`` after the weights are loaded: anything else was an
+    ``AttributeError`` from its generation utils at the very end of the load."""
+    from transformers import GenerationConfig
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(
+            "generation_config must be a transformers GenerationConfig, or None for the checkpoint's own "
+            f"generation_config.json, got {type(generation_config).__name__} {short_repr(generation_config)}. To load one "
+            "from a folder: GenerationConfig.from_pretrained(path)."
+        )
+
+
 def _check_key_mapping(key_mapping: Any) -> None:
     """transformers' ``key_mapping``: ``{regex: replacement}``, applied with ``re.sub`` to every checkpoint key."""
     if key_mapping is None:
@@ -425,6 +438,7 @@ def make_request(
             "model.fp16.safetensors), or None for the plain weight files."
         )
     _check_config(config)
+    _check_generation_config(generation_config)
     _check_key_mapping(key_mapping)
     if fetch not in FETCH_MODES:
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")

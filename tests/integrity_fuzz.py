@@ -10,7 +10,8 @@ classifies what happened:
 - ``intact``: the load equals transformers' ``from_pretrained`` of the intact checkpoint with the same arguments, bit
   for bit (keys, dtypes, bytes); a save left the folder loading as the old or the new checkpoint, whole;
 - ``named``: a ``LowMemError``, or an exception lowmem_hf raised itself (a ``raise`` statement in lowmem_hf: its
-  argument checks, the wrapped config errors, save's ``OSError`` naming the file);
+  argument checks, the wrapped config errors, save's ``OSError`` naming the file), or transformers' ``ImportError``
+  naming a package an argument needs (passed through on purpose);
 - ``raw``: any other exception (transformers', torch's, a ``KeyError`` from deep inside, ...);
 - ``wrong``: a load that returned other tensors than the reference, or loaded where transformers refuses the same
   input (the result of a load transformers itself does not make);
@@ -172,6 +173,10 @@ def _classify_error(error: BaseException) -> Outcome:
     text = f"{type(error).__module__}.{type(error).__name__}: {error}"
     text = text if len(text) < 600 else text[:600] + "..."
     if isinstance(error, LowMemError):
+        return Outcome("named", text)
+    if isinstance(error, ImportError) and not isinstance(error, ModuleNotFoundError):
+        # transformers' own "X has been toggled on, but ... the package for X doesn't seem to be installed": lowmem_hf
+        # lets it through on purpose (load._load_config), it names the package
         return Outcome("named", text)
     package = os.path.dirname(os.path.abspath(lowmem_hf.__file__))
     frames = traceback.extract_tb(error.__traceback__)
@@ -654,6 +659,14 @@ _ARGUMENTS = {
     "subfolder": ["", "x", "..", "/"],
     "output_loading_info": [True],
     "low_cpu_mem_usage": [True, False],
+    "fetch": ["ranges", "files", "bogus"],
+    "checkpoint_format": ["dcp", "bogus", None],
+    "revision": ["main", "abc"],
+    "trust_remote_code": [True, False],
+    "attn_implementation": ["eager", "sdpa", "bogus", "flash_attention_2", {"": "eager"}],
+    "generation_config": ["x", 5],
+    "local_files_only": [True],
+    "verify_downloads": [False, "yes"],
 }
 
 
@@ -696,7 +709,8 @@ def _decode_argument(value, folder):
 
 
 # lowmem_hf's own arguments: transformers' reference load goes without them (and the overrides are applied to it)
-_OWN_ARGUMENTS = ("dtype_overrides", "dtype_policy", "chunk_bytes", "read_ahead_bytes", "mmap", "device")
+_OWN_ARGUMENTS = ("dtype_overrides", "dtype_policy", "chunk_bytes", "read_ahead_bytes", "mmap", "device", "fetch",
+                  "checkpoint_format", "verify_downloads")
 
 
 def load_with_arguments(ws, scratch, *, fmt, kwargs):

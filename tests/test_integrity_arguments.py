@@ -259,3 +259,13 @@ def test_a_subfolder_without_config_json_says_where_it_looked(llama, subfolder):
     # transformers' "Unrecognized model in <folder>" names neither the subfolder nor the file
     with pytest.raises(ValueError, match=rf"^Unrecognized model in .*There is no config.json in {os.path.abspath(os.path.join(llama, subfolder))} \(subfolder='{subfolder}'\)"):
         load(llama, subfolder=subfolder)
+
+
+@pytest.mark.parametrize("value", [5, "generation_config.json", {"max_length": 5}], ids=repr)
+def test_a_generation_config_that_is_not_one_is_named_before_the_load(llama, value):
+    # transformers calls value.to_dict() after loading the weights: an AttributeError at the very end
+    with pytest.raises(TypeError, match=r"^generation_config must be a transformers GenerationConfig, .*got "):
+        load(llama, generation_config=value)
+    from transformers import GenerationConfig
+
+    assert load(llama, generation_config=GenerationConfig(max_length=7)).generation_config.max_length == 7
