@@ -158,7 +158,8 @@ def test_mmap_leaves_same_dtype_tensors_as_copy_on_write_views(make_checkpoint):
          r"loaded torch.bfloat16 by rule 'declared'\), .* and 18 more\. Pass torch_dtype='auto'"),
         ("sharded", {"tp_rank": 0, "tp_size": 2}, r"4 tensor-parallel slice\(s\) are not one contiguous range of the file: "
          r"model.layers.0.mlp.down_proj.weight \(sliced along dim 1\).* and 1 more\. Drop mmap=True for this tensor-parallel"),
-        ("sharded", {"device": "cuda"}, r"device=cuda is not host memory\. Load on cpu"),
+        pytest.param("sharded", {"device": "cuda"}, r"device=cuda is not host memory\. Load on cpu",
+                     marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device; see the next test")),
         ("bin", {}, r"the checkpoint is torch_zip, not safetensors\. Convert it to safetensors"),
     ],
     ids=["dtype-change", "dim-1-slices", "device", "bin"],
@@ -170,6 +171,19 @@ def test_mmap_refuses_what_cannot_be_a_view(make_checkpoint, monkeypatch, fmt, k
     with pytest.raises(ValueError, match=r"mmap=True leaves every loaded tensor as a copy-on-write view of its checkpoint file, but " + expected):
         Causal.from_pretrained(path, mmap=True, **kwargs)
     assert not streamed and not _file_backed(path)  # refused while planning: no tensor byte read, nothing mapped
+
+
+def test_mmap_refuses_a_device_that_is_not_host_memory(make_checkpoint):
+    # On a CPU-only build device='cuda' is refused earlier (no such device: test_integrity_arguments); the mmap
+    # rule itself is checked on a real plan, before any byte would be read.
+    from lowmem_hf.formats.safetensors import check_mmap
+    from lowmem_hf.load import prepare
+    from lowmem_hf.request import make_request
+
+    prepared = prepare(make_request(transformers.AutoModelForCausalLM, make_checkpoint("llama", "sharded"), mmap=True))
+    with pytest.raises(ValueError, match=r"but device=cuda is not host memory\. Load on cpu with mmap=True"):
+        check_mmap(prepared.plan, checkpoint_format=prepared.checkpoint.format, local=True, device=torch.device("cuda"))
+    check_mmap(prepared.plan, checkpoint_format=prepared.checkpoint.format, local=True, device=torch.device("cpu"))
 
 
 def test_mmap_and_disable_mmap_disagree(make_checkpoint):
