@@ -19,6 +19,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     CorruptDownloadError,
+    HubConnectionError,
     IncompleteLoadError,
     LowMemError,
     MissingKeyError,
@@ -102,5 +103,6 @@ __all__ = [
     "RemoteFileChangedError",
     "OutsideCheckpointError",
     "CorruptDownloadError",
+    "HubConnectionError",
     *_AUTO_CLASS_NAMES,
 ]

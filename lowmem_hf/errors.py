@@ -22,6 +22,7 @@ __all__ = [
     "RemoteFileChangedError",
     "OutsideCheckpointError",
     "CorruptDownloadError",
+    "HubConnectionError",
 ]
 
 
@@ -95,3 +96,8 @@ class OutsideCheckpointError(LowMemError, ValueError):
 class CorruptDownloadError(CorruptCheckpointError):
     """A file downloaded from the Hub does not hash to the sha256 the Hub publishes for it (its ETag), on the first
     download and on the one retry. The corrupt copy is no longer in the HF cache."""
+
+
+class HubConnectionError(LowMemError, ConnectionError):
+    """The Hub did not deliver a file's bytes after every retry: the connection kept dropping, or the server kept
+    answering a retryable status (5xx, 408, 429). The message names the file and what the last attempt met."""

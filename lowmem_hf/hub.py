@@ -22,6 +22,7 @@ import torch.distributed as dist
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
+    HfHubHTTPError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -29,10 +30,16 @@ from huggingface_hub.errors import (
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.file_download import repo_folder_name
 
-from .errors import CheckpointNotFoundError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptDownloadError,
+    HubConnectionError,
+    OutsideCheckpointError,
+    RemoteFileChangedError,
+)
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, check_index_keys, check_real_path, describe_keys, is_index, parse_index, weight_candidates
-from .sources.http import HttpRanges
+from .sources.http import TRANSPORT_ERRORS, HttpRanges, is_retryable_status
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
 __all__ = ["pin_revision", "resolve_hub", "download", "file_sha256", "HubArgs", "HASH_BLOCK_BYTES"]
@@ -152,6 +159,13 @@ def download(
             raise  # offline and not cached: huggingface_hub's own error says exactly that
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
             raise _not_found(repo_id, revision, repo_path, e) from e
+        except TRANSPORT_ERRORS as e:  # huggingface_hub resumed inside the call until it gave up
+            raise _undelivered(repo_id, revision, repo_path, f"the connection kept dropping ({type(e).__name__}: {e})") from e
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status is None or not is_retryable_status(status):
+                raise
+            raise _undelivered(repo_id, revision, repo_path, f"the server answered {status}") from e
         _check_in_cache(path, repo_id, repo_path, hub)
         etag = _blob_etag(path) or (expected.etag if expected is not None else None)
         if expected is not None:
@@ -172,6 +186,13 @@ def download(
         "was removed from the HF cache. Something between the Hub and this machine changes the bytes (a proxy, the "
         "network, the disk): fix that and load again. verify_downloads=False skips this check, at the risk of a "
         "wrong model."
+    )
+
+
+def _undelivered(repo_id: str, revision: str, repo_path: str, why: str) -> HubConnectionError:
+    return HubConnectionError(
+        f"{repo_path} (repo {repo_id!r}, revision {revision}): downloading it failed after huggingface_hub's retries: "
+        f"{why}. Check the network (or proxy) to the Hub and load again."
     )
 
 

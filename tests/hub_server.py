@@ -199,6 +199,7 @@ class _Fail:
     pattern: str | None
     methods: tuple[str, ...]
     retry_after: float | None
+    ranged: bool | None = None
 
 
 @dataclass
@@ -599,11 +600,13 @@ class HubServer:
             self._cuts.append(_Cut(after_bytes, count, path, mode))
 
     def fail_next(self, status: int = 503, count: int | None = 1, *, path: str | None = None,
-                  methods: tuple[str, ...] = ("GET", "HEAD"), retry_after: float | None = None) -> None:
+                  methods: tuple[str, ...] = ("GET", "HEAD"), retry_after: float | None = None,
+                  ranged: bool | None = None) -> None:
         """Answer the next ``count`` matching resolve/CDN requests with ``status`` (JSON error body).
-        ``path`` as in ``cut_next``; ``retry_after`` adds a ``Retry-After`` header (seconds)."""
+        ``path`` as in ``cut_next``; ``retry_after`` adds a ``Retry-After`` header (seconds); ``ranged``: only
+        requests with (True) or without (False, what ``hf_hub_download`` sends first) a ``Range`` header."""
         with self._lock:
-            self._fails.append(_Fail(status, count, path, tuple(m.upper() for m in methods), retry_after))
+            self._fails.append(_Fail(status, count, path, tuple(m.upper() for m in methods), retry_after, ranged))
 
     def corrupt_next(self, count: int | None = 1, *, path: str | None = None, nbytes: int = 16) -> None:
         """Flip (XOR 0xFF) ``nbytes`` bytes in the middle of the next ``count`` whole-file GET bodies (no ``Range``
@@ -687,10 +690,12 @@ class HubServer:
             self.cut_after_bytes = None
             self.latency_s = 0.0
 
-    def _take(self, faults: list, filename: str | None, method: str | None = None):
+    def _take(self, faults: list, filename: str | None, method: str | None = None, ranged: bool | None = None):
         with self._lock:
             for fault in faults:
                 if fault.remaining is not None and fault.remaining <= 0:
+                    continue
+                if getattr(fault, "ranged", None) is not None and fault.ranged != ranged:
                     continue
                 if fault.pattern is not None and not (filename and fnmatch.fnmatch(filename, fault.pattern)):
                     continue
@@ -1087,7 +1092,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ files
     def _check_fail(self, filename: str | None):
-        fail = self.hub._take(self.hub._fails, filename, self.command)
+        fail = self.hub._take(self.hub._fails, filename, self.command, ranged=self.headers.get("Range") is not None)
         if fail is not None:
             headers = {} if fail.retry_after is None else {"Retry-After": str(fail.retry_after)}
             raise _HttpError(fail.status, None, f"injected failure {fail.status}", headers)

@@ -11,9 +11,10 @@ import shutil
 import struct
 
 import pytest
+import torch
 import transformers
 
-from lowmem_hf import CorruptCheckpointError
+from lowmem_hf import CorruptCheckpointError, HubConnectionError
 from lowmem_hf.auto import AUTO_CLASSES
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
@@ -433,7 +434,7 @@ def test_big_endian_and_strided_tensors_load_exactly(tmp_path):
 
 _MID_LOAD = r"""
 import os, sys, torch
-from lowmem_hf import CorruptCheckpointError
+from lowmem_hf import CorruptCheckpointError, HubConnectionError
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.formats import torch_pickle
 
@@ -551,3 +552,56 @@ def test_a_file_cut_on_the_hub_mid_load_by_ranges_is_named(hf_hub, make_checkpoi
     hf_hub.replace_file("org/llama", shard, data[:64], when=after_first_body_read)
     with pytest.raises(RemoteFileChangedError, match=rf"{shard}: the load was planned for {len(data)} bytes .*but the server now has 64 bytes \(416"):
         Causal.from_pretrained("org/llama", fetch="ranges", chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_ranges_retry_a_server_error_and_load_intact(hf_hub, make_checkpoint, tmp_path, status):
+    # was: the first 5xx of a range read was a raw HfHubHTTPError (the header reads and body reads alike)
+    import torch
+
+    local = tmp_path / "repo"
+    shutil.copytree(make_checkpoint("llama", "sharded"), local)
+    hf_hub.add_repo("org/llama", local)
+    hf_hub.fail_next(status, 2, path="*.safetensors", methods=("GET",))
+    got = Causal.from_pretrained("org/llama", fetch="ranges", chunk_bytes=4096)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(local)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(got.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("status, error, found", [
+    (503, HubConnectionError, "after 5 attempts; the server answered 503 to the last one"),
+    (404, None, "now answers 404 Not Found for it"),
+])
+def test_ranges_name_a_server_that_keeps_failing_or_lost_the_file(hf_hub, make_checkpoint, tmp_path, status, error, found):
+    from lowmem_hf import RemoteFileChangedError
+
+    local = tmp_path / "repo"
+    shutil.copytree(make_checkpoint("llama", "sharded"), local)
+    hf_hub.add_repo("org/llama", local)
+    hf_hub.fail_next(status, None, path="model-00002-of-00003.safetensors", methods=("GET",))
+    with pytest.raises(error or RemoteFileChangedError, match=rf"model-00002-of-00003.safetensors: .*{found}"):
+        Causal.from_pretrained("org/llama", fetch="ranges", chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("fault", ["cut", 503])
+def test_files_name_a_download_the_hub_never_delivers(hf_hub, make_checkpoint, tmp_path, fault):
+    # was: huggingface_hub's own httpx RemoteProtocolError (every body cut) or HfHubHTTPError (5xx on every try),
+    # naming the URL at best
+    local = tmp_path / "repo"
+    shutil.copytree(make_checkpoint("llama", "sharded"), local)
+    hf_hub.add_repo("org/llama", local)
+    shard = "model-00002-of-00003.safetensors"
+    if fault == "cut":
+        hf_hub.cut_next(4096, None, path=shard)
+        found = "the connection kept dropping"
+    else:
+        hf_hub.fail_next(fault, None, path=shard, methods=("GET",), ranged=False)  # the header reads pass
+        found = "the server answered 503"
+    with pytest.raises(HubConnectionError, match=rf"{shard} \(repo 'org/llama', revision [0-9a-f]{{40}}\): downloading it failed after huggingface_hub's retries: {found}"):
+        Causal.from_pretrained("org/llama", fetch="files")
+    hf_hub.clear_faults()
+    got = Causal.from_pretrained("org/llama", fetch="files")  # nothing half-downloaded is taken for the file
+    expected = transformers.AutoModelForCausalLM.from_pretrained(local)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(got.state_dict()[name], tensor), name

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from ..errors import CorruptCheckpointError, RemoteFileChangedError
+from ..errors import CorruptCheckpointError, HubConnectionError, RemoteFileChangedError
 from ..types import RemoteFile
 from . import ByteSource
 from .local import LocalFiles
@@ -26,9 +26,17 @@ try:
 except ImportError:  # pragma: no cover - older huggingface_hub
     import httpx as _httpx
 
-__all__ = ["HttpRanges"]
+__all__ = ["HttpRanges", "TRANSPORT_ERRORS", "is_retryable_status"]
+
+TRANSPORT_ERRORS = (_httpx.TransportError, _httpx.StreamError)
+"""What a dropped or cut connection raises, mid-body or before it."""
 
 _MAX_ATTEMPTS = 5
+
+
+def is_retryable_status(status: int) -> bool:
+    """5xx, 408 and 429: the server may answer the same request later, as huggingface_hub's own downloads retry."""
+    return status >= 500 or status in (408, 429)
 
 
 class HttpRanges(ByteSource):
@@ -59,6 +67,7 @@ class HttpRanges(ByteSource):
         remote = self._remote[file]
         end = offset + len(view)
         received = 0
+        refused = None  # the last retryable status (5xx, 408, 429): retried like a dropped connection
         for attempt in range(_MAX_ATTEMPTS):
             if received == len(view):
                 return
@@ -67,14 +76,17 @@ class HttpRanges(ByteSource):
             try:
                 with get_session().stream("GET", remote.url, headers=headers, follow_redirects=True) as response:
                     self._check_satisfiable(remote, response, offset + received, end)
-                    hf_raise_for_status(response)
-                    self._check(remote, response, offset + received, end)
-                    for piece in response.iter_bytes():
-                        take = min(len(piece), len(view) - received)
-                        view[received : received + take] = piece[:take]
-                        received += take
-            except (_httpx.TransportError, _httpx.StreamError):
-                pass  # resume below from the last byte received
+                    refused = response.status_code if is_retryable_status(response.status_code) else None
+                    if refused is None:
+                        self._check_found(remote, response)
+                        hf_raise_for_status(response)
+                        self._check(remote, response, offset + received, end)
+                        for piece in response.iter_bytes():
+                            take = min(len(piece), len(view) - received)
+                            view[received : received + take] = piece[:take]
+                            received += take
+            except TRANSPORT_ERRORS:
+                refused = None  # resume below from the last byte received
             finally:
                 with self._count:
                     self.requests += 1
@@ -82,9 +94,19 @@ class HttpRanges(ByteSource):
             if received < len(view):
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         if received < len(view):
-            raise CorruptCheckpointError(
+            why = f"the server answered {refused} to the last one" if refused is not None else "the connection keeps dropping"
+            raise HubConnectionError(
                 f"{remote.filename}: got {received} of {len(view)} bytes at offset {offset} after {_MAX_ATTEMPTS} "
-                "attempts; the connection keeps dropping. Check the network (or proxy) to the Hub and load again."
+                f"attempts; {why}. Check the network (or proxy) to the Hub and load again."
+            )
+
+    @staticmethod
+    def _check_found(remote: RemoteFile, response) -> None:
+        """404 for a file the load was planned with: it was removed from the commit (a server that rewrote it)."""
+        if response.status_code == 404:
+            raise RemoteFileChangedError(
+                f"{remote.filename}: the load was planned with this file (etag {remote.etag}) but the server now "
+                "answers 404 Not Found for it. The file was removed; load again to re-plan."
             )
 
     @staticmethod
