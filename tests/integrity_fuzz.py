@@ -815,9 +815,9 @@ def _with_local_cut(folder, target, event, keep_percent, kwargs):
 def _with_hub_cut(scratch, folder, target, event, keep_percent, source, kwargs):
     """Serve ``folder`` from a loopback Hub; after the ``event``-th GET of a weight file the server's copy of
     ``target`` is truncated (a new inode: responses already streaming finish with the old bytes)."""
-    from hub_server import HubServer, use_hub
+    from hub_server import HF_DEFAULT_LFS_PATTERNS, HubServer, use_hub
 
-    server = HubServer(os.path.join(scratch, "hub"))
+    server = HubServer(os.path.join(scratch, "hub"), lfs_patterns=HF_DEFAULT_LFS_PATTERNS)
     repo = "org/llama"
     with server:
         server.add_repo(repo, folder)
@@ -832,6 +832,55 @@ def _with_hub_cut(scratch, folder, target, event, keep_percent, source, kwargs):
         server.replace_file(repo, target, data[: len(data) * keep_percent // 100], when=predicate)
         with use_hub(server, os.path.join(scratch, "hf_home")):
             return _lowmem_load(repo, fetch="files" if source == "hub-files" else "ranges", **kwargs)
+
+
+# ----------------------------------------------------------------- Hub faults
+def gen_hub_fault(pick: Pick) -> Trial:
+    fetch = pick.choice(["files", "ranges"])
+    return Trial("hub faults", "load_through_hub_fault", dict(
+        fmt=pick.choice(["safetensors", "sharded"] + (["bin"] if fetch == "files" else [])), fetch=fetch,
+        fault=pick.choice(["corrupt", "cut-close", "cut-reset", "fail-503", "fail-500", "fail-404", "replace-keep-etag",
+                           "replace-same-size", "lying-size"]),
+        count=pick.choice([1, 2, 3, None]), after=pick.choice([0, 8, 100, 4096, 65536]), file_index=pick.integer(0, 5)))
+
+
+def load_through_hub_fault(ws, scratch, *, fmt, fetch, fault, count, after, file_index):
+    """A load from the loopback Hub while it corrupts bodies in transit, cuts or fails requests, changes a file under
+    the load (keeping or changing its ETag) or lies about a size: the intact model, or a named error."""
+    from hub_server import HF_DEFAULT_LFS_PATTERNS, HubServer, use_hub
+
+    folder = _copy(ws, fmt, scratch)
+    target = _weight_files(folder)[file_index % len(_weight_files(folder))]
+    # weight files are LFS files, as on the Hub (.gitattributes): their ETag is their sha256
+    server = HubServer(os.path.join(scratch, "hub"), lfs_patterns=HF_DEFAULT_LFS_PATTERNS)
+    repo = "org/llama"
+
+    def load():
+        with server:
+            server.add_repo(repo, folder)
+            pattern = "*.safetensors" if fmt != "bin" else "*.bin"
+            if fault == "corrupt":
+                server.corrupt_next(count, path=pattern)
+            elif fault.startswith("cut-"):
+                server.cut_next(after, count, path=pattern, mode=fault[4:])
+            elif fault.startswith("fail-"):
+                server.fail_next(int(fault[5:]), count, path=pattern)
+            elif fault.startswith("replace-"):
+                data = bytearray(server.file_path(repo, target).read_bytes())
+                data[len(data) // 2] ^= 0xFF  # one byte of tensor data (or of the pickle) flipped, same size
+                seen = [0]
+
+                def predicate(record):
+                    seen[0] += record.method == "GET" and bool(record.filename) and record.filename.endswith(pattern[1:])
+                    return seen[0] >= (count or 1)
+
+                server.replace_file(repo, target, bytes(data), keep_etag=fault == "replace-keep-etag", when=predicate)
+            elif fault == "lying-size":
+                server.override_size(repo, target, os.path.getsize(os.path.join(folder, target)) + (after or 1))
+            with use_hub(server, os.path.join(scratch, "hf_home")):
+                return _lowmem_load(repo, fetch=fetch, chunk_bytes=4096)
+
+    return _judge_load(load, _reference_weights(ws))
 
 
 # ----------------------------------------------------------------- saves: disk full, killed
@@ -1009,11 +1058,12 @@ GENERATORS: dict[str, Callable[[Pick], Trial]] = {
     "config": gen_config,
     "arguments": gen_arguments,
     "truncation": gen_truncation,
+    "hub faults": gen_hub_fault,
     "disk full": gen_disk_full,
     "kill during save": gen_kill,
 }
 ACTIONS = {f.__name__: f for f in (damage_safetensors, damage_index, damage_dcp, damage_config, load_with_arguments,
-                                   truncate_mid_load, save_on_full_disk, kill_during_save, _die)}
+                                   truncate_mid_load, load_through_hub_fault, save_on_full_disk, kill_during_save, _die)}
 
 
 def _child(trial: Trial, workspace: dict, scratch: str, conn) -> None:

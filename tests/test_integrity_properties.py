@@ -4,7 +4,7 @@ checkpoint, whole (integrity issue, item 7).
 
 hypothesis draws each trial's choices (tests/integrity_fuzz.py: corrupt safetensors headers, index files, DCP
 metadata of both kinds, config.json fields, from_pretrained arguments, truncation mid-load of every format and
-source, a full disk and a kill during a save); every trial runs in a child process of its own with a time limit, so a
+source, a loopback Hub that corrupts, cuts, fails or changes files, a full disk and a kill during a save); every trial runs in a child process of its own with a time limit, so a
 signal or a hang fails the test. Derandomized and bounded for CI; a longer run is one command:
 
     LOWMEM_FUZZ=long LOWMEM_FUZZ_EXAMPLES=200 pytest tests/test_integrity_properties.py
@@ -24,11 +24,11 @@ import integrity_fuzz as fuzz
 
 LONG = os.environ.get("LOWMEM_FUZZ") == "long"
 EXAMPLES = int(os.environ.get("LOWMEM_FUZZ_EXAMPLES", "200")) if LONG else None
-# trials per category in CI (270 in all, ~2 minutes on 2 busy cores): a trial is a fork of the preloaded fork server
+# trials per category in CI (290 in all, ~2-3 minutes on 2 busy cores): a trial is a fork of the preloaded fork server
 # loading a tiny Llama, well under a second; a save trial saves and loads up to three times
 CI_EXAMPLES = {
     "safetensors header": 40, "index": 40, "dcp metadata": 40, "config": 40, "arguments": 40, "truncation": 40,
-    "disk full": 15, "kill during save": 15,
+    "hub faults": 20, "disk full": 15, "kill during save": 15,
 }
 
 
@@ -69,6 +69,7 @@ test_corrupt_dcp_metadata_of_either_kind_loads_intact_or_is_named = _property("d
 test_a_nonsense_config_loads_as_transformers_does_or_is_named = _property("config")
 test_any_arguments_load_as_transformers_does_or_are_named = _property("arguments")
 test_a_file_cut_mid_load_of_any_format_and_source_is_named_not_a_crash = _property("truncation")
+test_a_hub_that_corrupts_cuts_fails_or_changes_files_loads_intact_or_is_named = _property("hub faults")
 test_a_full_disk_during_a_re_save_leaves_the_old_or_the_new_checkpoint = _property("disk full")
 test_a_kill_during_a_re_save_leaves_the_old_or_the_new_checkpoint = _property("kill during save")
 
