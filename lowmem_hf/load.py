@@ -210,13 +210,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         paths = checkpoint.local_paths
         if checkpoint.repo_id is not None:
             paths = fetch_files(checkpoint, plan.files, hub, verify=request.verify_downloads, tqdm_class=request.tqdm_class)
-        # warm files are converted straight from mapped windows while a read lease rules out truncation (SIGBUS);
-        # from a cold disk preadv with read-ahead hints keeps the device busier than page faults would
-        source = LocalFiles(
-            paths, gap_bytes=0 if prepared.cold else GAP_BYTES, mapped_reads=not prepared.cold and not request.mmap,
-            watch_leases=async_load(),
-            unmapped_reason="its pages were not in the page cache: preadv with read-ahead hints" if prepared.cold else "mmap=True",
-        )
+        source = LocalFiles(paths, gap_bytes=0 if prepared.cold else GAP_BYTES, planned=checkpoint.identities)
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # under a process group the ranks fetch together: each byte once, in large spans (sources/exchange.py)
         source = CooperativeRanges(
@@ -311,9 +305,6 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         commit=checkpoint.commit,
         mapped_bytes=stats.mapped_bytes,
         gap_bytes=source.gap_bytes_read,
-        mapped_lease_bytes=source.mapped_lease_bytes,
-        preadv_bytes=source.preadv_bytes,
-        preadv_reasons=dict(source.preadv_reasons),
         reader_workers=workers,
         chunk_bytes=prepared.stream_chunk_bytes,
         page_cache_fraction=prepared.page_cache_fraction,

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, MissingShardError, OutsideCheckpointError, short_repr
 from .formats import dcp, safetensors, torch_pickle
-from .types import Checkpoint, CheckpointFormat, TensorInfo
+from .types import Checkpoint, CheckpointFormat, TensorInfo, file_identity
 
 __all__ = [
     "resolve_local", "resolve_dcp", "weight_candidates", "is_index", "parse_index", "check_index_keys", "add_tensors",
@@ -205,7 +205,9 @@ def resolve_local(
     is_safetensors = files[0].endswith(".safetensors")
     tensors: dict[str, TensorInfo] = {}
     fmt = CheckpointFormat.SAFETENSORS if is_safetensors else None
+    identities = {}
     for file in files:
+        identities[file] = file_identity(os.stat(file))  # before the header: a change from here on is caught
         if is_safetensors:
             infos, nbytes = safetensors.read_header(file)
         else:
@@ -222,6 +224,7 @@ def resolve_local(
         tensors=tensors,
         index_metadata=index_metadata,
         header_bytes=header_bytes,
+        identities=identities,
     )
 
 

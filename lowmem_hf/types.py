@@ -6,6 +6,7 @@ Every class here is a frozen dataclass; a stage receives one and returns another
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,6 +24,7 @@ __all__ = [
     "LoadPlan",
     "DtypeDecision",
     "LoadReport",
+    "file_identity",
 ]
 
 
@@ -98,6 +100,14 @@ class Checkpoint:
     layout: Any = None
     """Sharded training checkpoints (``CheckpointFormat.DCP``): where each stored chunk of every tensor is
     (a ``formats.dcp.DcpLayout``); ``None`` for the Hub layout."""
+    identities: Mapping[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Local folders: each weight file's ``(st_dev, st_ino, st_size, st_mtime_ns)`` from just before its header was
+    read. The load reads tensor bytes only from files that are still exactly these (``sources.local.LocalFiles``)."""
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What says a file is still the one whose header was read, unchanged."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @dataclass(frozen=True)
@@ -272,14 +282,6 @@ class LoadReport:
     """Sliced tensors from local files in the page cache: bytes between a slice's runs (e.g. the other ranks' part
     of each row) copied by the same read and dropped, so a slice costs a few calls instead of one per row. Not in
     ``bytes_read``; never read from a cold disk (there each run is its own read)."""
-    mapped_lease_bytes: int = 0
-    """Local files: bytes converted straight from a read-only mapping of their file while this process held a kernel
-    read lease on it (nobody could truncate it meanwhile), with no copy into staging."""
-    preadv_bytes: int = 0
-    """Local files: bytes read with ``preadv`` (into staging or straight into the destination)."""
-    preadv_reasons: Mapping[str, str] = field(default_factory=dict)
-    """Local files read (partly) with ``preadv``: why, per file (not in the page cache, the lease refused and the
-    kernel's reason, the lease broken by a writer after so many bytes)."""
 
     _LEGACY_KEYS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 

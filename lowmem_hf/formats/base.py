@@ -14,11 +14,7 @@ from ..plan.sharding import chunk_runs, element_runs
 from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
 
-__all__ = ["Reader", "RangeReader", "StreamStats", "Staging", "SourceFile", "byte_view", "MAPPED_SAME_DTYPE"]
-
-# Same dtype on CPU: read through a mapped window (a source that offers one) and copy, rather than preadv straight
-# into the destination. Measured: see benchmarks/README.md.
-MAPPED_SAME_DTYPE = False
+__all__ = ["Reader", "RangeReader", "StreamStats", "Staging", "SourceFile", "byte_view"]
 
 
 @dataclass
@@ -153,23 +149,18 @@ class RangeReader(Reader):
             if jobs is not None:
                 return jobs
         chunks = chunk_runs(runs, itemsize, self._chunk_bytes)
-        flat = dst.view(-1)
-        mappable = info.offset % itemsize == 0  # a mapped window's address is then aligned to the dtype
         if dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous():
             view = byte_view(dst)
 
             def direct(chunk: list[tuple[int, int, int]]) -> None:
-                if MAPPED_SAME_DTYPE and mappable and len(chunk) == 1 and self._mapped_copy(info, flat, *chunk[0]):
-                    return
                 source.read_runs(info.file, [(view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize) for src, at, n in chunk])
 
             return [functools.partial(direct, c) for c in chunks]
 
+        flat = dst.view(-1)
         pinned = dst.device.type == "cuda"
 
         def staged(chunk: list[tuple[int, int, int]]) -> None:
-            if mappable and len(chunk) == 1 and self._mapped_copy(info, flat, *chunk[0]):
-                return
             total = sum(n for _, _, n in chunk)
             buf = self._staging.get(total * itemsize, pinned=pinned)
             bytes_view, pos, parts = byte_view(buf), 0, []
@@ -200,13 +191,6 @@ class RangeReader(Reader):
 
         def band(r0: int, r1: int) -> None:
             span = (r1 - r0 - 1) * stride + n  # through the last row's run, not its gap
-            if info.offset % itemsize == 0:
-                start = info.offset + (first + r0 * stride) * itemsize
-                with source.mapped(info.file, start, start + span * itemsize) as mapped:
-                    if mapped is not None:  # straight from the page cache: no copy into staging, the gaps not copied at all
-                        stored = mapped.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
-                        flat[r0 * n : r1 * n].view(r1 - r0, n).copy_(stored)
-                        return
             buf = self._staging.get(span * itemsize, pinned=pinned)
             source.read(info.file, byte_view(buf), info.offset + (first + r0 * stride) * itemsize)
             stored = buf.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
@@ -240,18 +224,6 @@ class RangeReader(Reader):
 
         self._stats.band_extra_bytes += sum((b[-1][0] + b[-1][2] - b[0][0]) * itemsize for b in bands) - dst.numel() * itemsize
         return [functools.partial(band, b) for b in bands]
-
-    def _mapped_copy(self, info: TensorInfo, flat: torch.Tensor, src: int, at: int, n: int) -> bool:
-        """Copy (converting) elements ``[src, src + n)`` of the stored tensor into ``flat[at : at + n]`` straight from
-        a mapped window of the file (the source holds a read lease on it); False: the source offers no window, read
-        the elements instead."""
-        itemsize = info.dtype.itemsize
-        start = info.offset + src * itemsize
-        with self._source.mapped(info.file, start, start + n * itemsize) as mapped:
-            if mapped is None:
-                return False
-            flat[at : at + n].copy_(mapped.view(info.dtype))
-            return True
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
         """Account one finished tensor (``nbytes`` read); after the file's last one, ``finished`` and release it."""

@@ -409,12 +409,17 @@ class TorchReader(RangeReader):
         opened = self._opened.get(file)
         if opened is not None:
             return opened
+        self._source.open(file)  # the shard must still be the one whose header was read
         path = self._source.path(file)
         size = os.path.getsize(path)
         if zipfile.is_zipfile(path):
             f = SourceFile(self._source, file, 0, size)  # the descriptor the tensor reads use, not the path again
-            archive = read_archive(f, name=file)
-            stored = read_storages(f, archive, name=file)
+            try:
+                archive = read_archive(f, name=file)
+                stored = read_storages(f, archive, name=file)
+            except CorruptCheckpointError:
+                self._source.check_unchanged(file)  # it was fine when planned: say that it changed, if it did
+                raise
             if stored is not None:
                 order = byte_order(f, archive)
                 start, end = archive.directory

@@ -12,9 +12,6 @@ the source decides how the bytes arrive:
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 __all__ = ["ByteSource"]
 
 
@@ -45,12 +42,6 @@ class ByteSource:
     """Bytes received from other ranks."""
     gap_bytes_read: int = 0
     """Bytes read between runs and dropped."""
-    mapped_lease_bytes: int = 0
-    """Bytes read through ``mapped`` windows (local files under a kernel read lease)."""
-    preadv_bytes: int = 0
-    """Local files: bytes read with ``read``/``read_runs`` (``preadv``)."""
-    preadv_reasons: dict = {}
-    """Local files: why each file was read (partly) with ``preadv`` rather than through ``mapped`` windows."""
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the bytes of ``file`` from ``offset``; raise a ``LowMemError`` naming the file if it cannot."""
@@ -60,12 +51,6 @@ class ByteSource:
         """Fill each ``(view, offset)`` of ``parts`` (ascending, non-overlapping offsets) from ``file``."""
         for view, offset in parts:
             self.read(file, view, offset)
-
-    @contextlib.contextmanager
-    def mapped(self, file: str, start: int, stop: int) -> Iterator["torch.Tensor | None"]:  # noqa: F821 - torch is not imported here
-        """Bytes ``[start, stop)`` of ``file`` as a read-only ``uint8`` tensor valid inside the ``with`` block, or None:
-        ``read`` them (the default: this source maps nothing)."""
-        yield None
 
     def count_gap(self, nbytes: int) -> None:
         """Count ``nbytes`` a reader read between runs and dropped (sources with ``gap_bytes_allowed`` only)."""

@@ -3,9 +3,11 @@
 Also what only a local file offers: its path (for torch's own loader), a private mapping of it (``mmap=True``
 leaves the tensors as views of it), read-ahead hints to the kernel, whether its pages are in the page cache
 (``cached_fraction``), which decides how the stream reads (more threads and hints from a cold disk, reads
-through gaps from a warm one), and, with ``mapped_reads``, windows of a file mapped while this process holds a
-kernel read lease on it (``mapped``: a reader converts straight from the page cache, with no copy into staging;
-``lease.py`` says why such a mapping cannot SIGBUS).
+through gaps from a warm one).
+
+Tensors are never converted straight from a mapping of the file during a load: a file cut while mapped kills the
+process with SIGBUS, and on the machines measured (benchmarks/README.md) mapped windows, even under a kernel read
+lease that rules the cut out, were slower than ``preadv`` into a staging chunk.
 
 A file that changed while it was read is a named error: a read past its end says so, and when its last read is
 done (``release``) its descriptor and its path must still name the same file, of the same size and modification
@@ -14,18 +16,17 @@ time, as when it was opened.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
 import threading
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..types import file_identity
 from . import ByteSource
-from .lease import MAX_MAPPED_BYTES, Lease, LeaseWatch
 
 __all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "will_need_pages"]
 
@@ -41,7 +42,6 @@ _IOV_MAX = 1024
 GAP_BYTES = 32 * 1024
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def cached_fraction(paths: list[str]) -> float | None:
@@ -101,22 +101,16 @@ class LocalFiles(ByteSource):
     """
 
     def __init__(
-        self, paths: Mapping[str, str] | None = None, *, gap_bytes: int = 0, mapped_reads: bool = False, watch_leases: bool = True,
-        unmapped_reason: str = "mapped reads were not asked for",
+        self, paths: Mapping[str, str] | None = None, *, gap_bytes: int = 0,
+        planned: Mapping[str, tuple[int, int, int, int]] | None = None,
     ):
-        """``mapped_reads``: take a read lease on each file as it is opened and offer ``mapped`` windows of it while
-        the lease holds (``watch_leases``: a thread gives a broken lease up at once; without it, the next read of
-        the file does). ``unmapped_reason``: what ``preadv_reasons`` says of each file without ``mapped_reads``."""
+        """``planned``: the identity (``resolve.file_identity``) each file had when its header was read; a file that
+        is no longer that file when it is opened is refused (its tensors' offsets and sizes come from that header)."""
         self._paths = paths or {}
+        self._planned = planned or {}
         self._gap = gap_bytes
         self.gap_bytes_read = 0
         """Bytes read between runs and dropped (``read_runs``): page-cache copies, no device I/O."""
-        self.preadv_bytes = 0
-        self.preadv_reasons: dict[str, str] = {}
-        self._leases: dict[str, Lease] = {}
-        self._all_leases: list[Lease] = []
-        self._watch = LeaseWatch(watch=watch_leases) if mapped_reads else None
-        self._unmapped_reason = unmapped_reason
         self._identity: dict[str, tuple[int, int, int, int]] = {}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
@@ -133,15 +127,22 @@ class LocalFiles(ByteSource):
                     fd = os.open(self.path(file), os.O_RDONLY)
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
-                    lease = self._watch.take(file, fd) if self._watch is not None else self._unmapped_reason
-                    if isinstance(lease, Lease):
-                        self._leases[file] = lease
-                        self._all_leases.append(lease)
-                    else:
-                        self.preadv_reasons[file] = lease
-                    self._identity[file] = _identity(os.fstat(fd))  # after the lease: no writer can change it now
+                    opened = file_identity(os.fstat(fd))
+                    planned = self._planned.get(file)
+                    if planned is not None and opened != planned:
+                        os.close(fd)
+                        raise CorruptCheckpointError(
+                            f"{file} changed while it loaded: {_what_changed(planned, opened, opened)}, after its header "
+                            "was read. Its tensors' offsets and sizes come from that header. Do not rewrite a checkpoint "
+                            "while it loads; load it again."
+                        )
+                    self._identity[file] = planned or opened
                     self._fds[file] = fd
         return fd
+
+    def open(self, file: str) -> None:
+        """Open ``file`` now, if it is not open yet (refused if it is no longer the file whose header was read)."""
+        self._fd(file)
 
     def path(self, file: str) -> str:
         """Where ``file`` is on disk (Hub loads: the HF cache)."""
@@ -149,46 +150,6 @@ class LocalFiles(ByteSource):
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
         _pread_exact(self._fd(file), view, offset, file)
-        self._count_preadv(len(view))
-
-    @property
-    def mapped_lease_bytes(self) -> int:
-        """Bytes read through ``mapped`` windows under read leases so far."""
-        return sum(lease.mapped_bytes for lease in self._all_leases)
-
-    @contextlib.contextmanager
-    def mapped(self, file: str, start: int, stop: int) -> Iterator[torch.Tensor | None]:
-        """Bytes ``[start, stop)`` of ``file`` as a read-only ``uint8`` tensor over a mapping of them, valid only
-        inside the ``with`` block; None: read them with ``read`` instead (no lease on the file, the lease was broken
-        by a writer, more than ``MAX_MAPPED_BYTES``, or beyond the size the file had when it was leased).
-
-        The lease cannot be given up while the block runs, so no writer can cut a mapped page: no SIGBUS. The window
-        is unmapped on exit, so a load holds mapped pages of at most one window per reader thread (``VmHWM``).
-        """
-        self._fd(file)
-        lease = self._leases.get(file)
-        if lease is None or stop > lease.size or stop - start > MAX_MAPPED_BYTES or stop <= start or not lease.enter():
-            yield None
-            return
-        mapped = 0
-        try:
-            base = start - start % mmap.PAGESIZE
-            libc = _libc()
-            address = libc.mmap(None, stop - base, mmap.PROT_READ, mmap.MAP_SHARED, lease.fd, base)
-            if address in (None, _MAP_FAILED):
-                yield None
-                return
-            try:
-                yield torch.frombuffer((ctypes.c_ubyte * (stop - start)).from_address(address + start - base), dtype=torch.uint8)
-                mapped = stop - start
-            finally:
-                libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(stop - base))
-        finally:
-            lease.leave(mapped)
-
-    def _count_preadv(self, nbytes: int) -> None:
-        with self._lock:
-            self.preadv_bytes += nbytes
 
     def read_runs(self, file: str, parts: list[tuple[memoryview, int]]) -> None:
         """Fill each ``(view, offset)`` of ``parts`` (ascending, non-overlapping offsets) from ``file``.
@@ -218,7 +179,6 @@ class LocalFiles(ByteSource):
             dropped += gaps
             i = j
         self.count_gap(dropped)
-        self._count_preadv(sum(len(view) for view, _ in parts))
 
     @property
     def gap_bytes_allowed(self) -> int:
@@ -259,46 +219,30 @@ class LocalFiles(ByteSource):
             os.posix_fadvise(self._fd(file), start, stop - start, os.POSIX_FADV_WILLNEED)
 
     def release(self, file: str) -> None:
-        """Every read of ``file`` is done: give its lease up, check it is still the file that was opened, close it.
+        """Every read of ``file`` is done: check it is still the file that was opened, close it.
 
         Raises:
             CorruptCheckpointError: the file was truncated, rewritten or replaced since it was opened (its reads
             may mix two files).
         """
         try:
-            self._let_go(file)
-            self._check_unchanged(file)
+            self.check_unchanged(file)
         finally:
             self._close(file)
 
-    def _let_go(self, file: str) -> None:
-        lease = self._leases.pop(file, None)
-        if lease is not None:
-            self._watch.finish(lease)
-            if lease.writer_waited:
-                self.preadv_reasons[file] = (
-                    f"its read lease was broken after {lease.mapped_bytes} bytes had been read through a mapping (another "
-                    "process opened the file for writing or truncated it); the rest was read with preadv"
-                )
-
-    def _check_unchanged(self, file: str) -> None:
+    def check_unchanged(self, file: str) -> None:
+        """Raise ``CorruptCheckpointError`` if ``file`` (open) was truncated, rewritten or replaced since it was opened."""
         fd, opened = self._fds.get(file), self._identity.get(file)
         if fd is None or opened is None:
             return
-        now = _identity(os.fstat(fd))
+        now = file_identity(os.fstat(fd))
         try:
-            named = _identity(os.stat(self.path(file)))
+            named = file_identity(os.stat(self.path(file)))
         except OSError:
             named = None
         if now != opened or named != opened:
-            what = (
-                "it was replaced (its path now names another file)" if named is not None and named[:2] != opened[:2] else
-                "it was deleted" if named is None else
-                f"its size went from {opened[2]} to {now[2]} bytes" if now[2] != opened[2] else
-                "it was written to (its modification time changed)"
-            )
             raise CorruptCheckpointError(
-                f"{file} changed while it loaded: {what}. Its tensors may mix two files. "
+                f"{file} changed while it loaded: {_what_changed(opened, now, named)}. Its tensors may mix two files. "
                 "Do not rewrite a checkpoint while it loads; load it again."
             )
 
@@ -312,18 +256,20 @@ class LocalFiles(ByteSource):
             os.close(fd)
 
     def close(self) -> None:
-        """Release everything (a failed load too): leases given up, descriptors closed, nothing checked."""
-        for file in list(self._leases):
-            self._let_go(file)
-        if self._watch is not None:
-            self._watch.close()
+        """Release everything (a failed load too): descriptors closed, nothing checked."""
         for file in list(self._fds):
             self._close(file)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What says a file is still the one that was opened, unchanged."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def _what_changed(was: tuple, now: tuple, named: tuple | None) -> str:
+    """In words, how a file (``now``: its descriptor's identity; ``named``: its path's, None if gone) differs from ``was``."""
+    if named is None:
+        return "it was deleted"
+    if named[:2] != was[:2]:
+        return "it was replaced (its path now names another file)"
+    if now[2] != was[2]:
+        return f"its size went from {was[2]} to {now[2]} bytes"
+    return "it was written to (its modification time changed)"
 
 
 def release_pages(t: torch.Tensor) -> None:
