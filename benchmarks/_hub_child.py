@@ -30,13 +30,17 @@ def main() -> int:
         dist.init_process_group("gloo")
     tp = {"tp_plan": "auto"} if args.tp else {}
     start = time.perf_counter()
+    counts = {}
     if args.loader == "lowmem":
-        model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(args.repo, torch_dtype=torch.bfloat16, fetch=args.fetch, **tp)
+        model, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+            args.repo, torch_dtype=torch.bfloat16, fetch=args.fetch, output_loading_info=True, **tp
+        )
+        counts = {"bytes_received": report.bytes_received, "bytes_read": report.bytes_read}
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.repo, dtype=torch.bfloat16, **tp)
     seconds = time.perf_counter() - start
     assert not any(p.device.type == "meta" for p in model.parameters())
-    print("@@RESULT " + json.dumps({"seconds": seconds, "rank": dist.get_rank() if args.tp else 0}), flush=True)
+    print("@@RESULT " + json.dumps({"seconds": seconds, "rank": dist.get_rank() if args.tp else 0, **counts}), flush=True)
     if args.tp:
         dist.destroy_process_group()
     return 0
