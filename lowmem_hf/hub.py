@@ -33,13 +33,12 @@ from huggingface_hub.file_download import repo_folder_name
 from .errors import (
     CheckpointNotFoundError,
     CorruptDownloadError,
-    HubConnectionError,
     OutsideCheckpointError,
     RemoteFileChangedError,
 )
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, check_index_keys, check_real_path, describe_keys, is_index, parse_index, weight_candidates
-from .sources.http import TRANSPORT_ERRORS, HttpRanges, is_retryable_status
+from .sources.http import HttpRanges, retry_hub_call
 from .types import Checkpoint, CheckpointFormat, RemoteFile
 
 __all__ = ["pin_revision", "resolve_hub", "download", "file_sha256", "HubArgs", "HASH_BLOCK_BYTES"]
@@ -65,8 +64,15 @@ def _not_found(repo_id: str, revision: str, filename: str, e: Exception) -> Chec
         RevisionNotFoundError: f"the repo {repo_id!r} has no revision {revision!r}",
         EntryNotFoundError: f"the repo {repo_id!r} at revision {revision!r} has no file {filename!r}",
     }
-    reason = next((text for cls, text in what.items() if isinstance(e, cls)), str(e))
+    reason = next((text for cls, text in what.items() if isinstance(e, cls)), None)
+    if reason is None:
+        reason = f"the server answered 404 Not Found for {filename!r} ({e})" if _is_404(e) else str(e)
     return CheckpointNotFoundError(f"Cannot load {repo_id!r} (revision {revision!r}, file {filename!r}): {reason}.")
+
+
+def _is_404(e: Exception) -> bool:
+    response = getattr(e, "response", None)
+    return response is not None and response.status_code == 404
 
 
 def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
@@ -145,27 +151,27 @@ def download(
     hashes = []
     for attempt in range(2):
         try:
-            path = hf_hub_download(
-                repo_id,
-                repo_path,
-                revision=revision,
-                cache_dir=hub.get("cache_dir"),
-                force_download=force or attempt > 0,
-                local_files_only=bool(hub.get("local_files_only")),
-                token=hub.get("token"),
-                tqdm_class=tqdm_class,
+            path = retry_hub_call(
+                lambda: hf_hub_download(
+                    repo_id,
+                    repo_path,
+                    revision=revision,
+                    cache_dir=hub.get("cache_dir"),
+                    force_download=force or attempt > 0,
+                    local_files_only=bool(hub.get("local_files_only")),
+                    token=hub.get("token"),
+                    tqdm_class=tqdm_class,
+                ),
+                what=f"{repo_path} (repo {repo_id!r}, revision {revision}): downloading it",
             )
         except LocalEntryNotFoundError:
             raise  # offline and not cached: huggingface_hub's own error says exactly that
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
             raise _not_found(repo_id, revision, repo_path, e) from e
-        except TRANSPORT_ERRORS as e:  # huggingface_hub resumed inside the call until it gave up
-            raise _undelivered(repo_id, revision, repo_path, f"the connection kept dropping ({type(e).__name__}: {e})") from e
         except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else None
-            if status is None or not is_retryable_status(status):
+            if not _is_404(e):
                 raise
-            raise _undelivered(repo_id, revision, repo_path, f"the server answered {status}") from e
+            raise _not_found(repo_id, revision, repo_path, e) from e  # a 404 without the Hub's X-Error-Code
         _check_in_cache(path, repo_id, repo_path, hub)
         etag = _blob_etag(path) or (expected.etag if expected is not None else None)
         if expected is not None:
@@ -186,13 +192,6 @@ def download(
         "was removed from the HF cache. Something between the Hub and this machine changes the bytes (a proxy, the "
         "network, the disk): fix that and load again. verify_downloads=False skips this check, at the risk of a "
         "wrong model."
-    )
-
-
-def _undelivered(repo_id: str, revision: str, repo_path: str, why: str) -> HubConnectionError:
-    return HubConnectionError(
-        f"{repo_path} (repo {repo_id!r}, revision {revision}): downloading it failed after huggingface_hub's retries: "
-        f"{why}. Check the network (or proxy) to the Hub and load again."
     )
 
 
@@ -283,11 +282,18 @@ def _remote(repo_id: str, filename: str, commit: str, hub: HubArgs) -> RemoteFil
     """Size and etag of a repo file at ``commit`` (one HEAD request), or ``None`` if the file does not exist."""
     url = hf_hub_url(repo_id, _repo_path(filename, hub), revision=commit)
     try:
-        meta = get_hf_file_metadata(url, token=hub.get("token"))
+        meta = retry_hub_call(
+            lambda: get_hf_file_metadata(url, token=hub.get("token")),
+            what=f"{filename} (repo {repo_id!r}, revision {commit}): reading its size and etag",
+        )
     except EntryNotFoundError:
         return None
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise _not_found(repo_id, commit, filename, e) from e
+    except HfHubHTTPError as e:
+        if not _is_404(e):
+            raise
+        return None  # a 404 without the Hub's X-Error-Code: not there either
     return RemoteFile(filename=_repo_path(filename, hub), url=url, size=int(meta.size), etag=meta.etag)
 
 

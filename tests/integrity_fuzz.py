@@ -839,8 +839,10 @@ def gen_hub_fault(pick: Pick) -> Trial:
     fetch = pick.choice(["files", "ranges"])
     return Trial("hub faults", "load_through_hub_fault", dict(
         fmt=pick.choice(["safetensors", "sharded"] + (["bin"] if fetch == "files" else [])), fetch=fetch,
-        fault=pick.choice(["corrupt", "cut-close", "cut-reset", "fail-503", "fail-500", "fail-404", "replace-keep-etag",
-                           "replace-same-size", "lying-size"]),
+        # a file changed under the same ETag is caught by fetch="files" (its sha256); ranged reads trust the ETag, the
+        # Hub's content address (README, "Hub repos"), so that fault is drawn for files only
+        fault=pick.choice(["corrupt", "cut-close", "cut-reset", "fail-503", "fail-500", "fail-404", "replace-same-size",
+                           "lying-size"] + (["replace-keep-etag"] if fetch == "files" else [])),
         count=pick.choice([1, 2, 3, None]), after=pick.choice([0, 8, 100, 4096, 65536]), file_index=pick.integer(0, 5)))
 
 
@@ -854,6 +856,8 @@ def load_through_hub_fault(ws, scratch, *, fmt, fetch, fault, count, after, file
     # weight files are LFS files, as on the Hub (.gitattributes): their ETag is their sha256
     server = HubServer(os.path.join(scratch, "hub"), lfs_patterns=HF_DEFAULT_LFS_PATTERNS)
     repo = "org/llama"
+    data = bytearray(open(os.path.join(folder, target), "rb").read())
+    data[len(data) // 2] ^= 0xFF  # replace-*: one byte of tensor data (or of the pickle) flipped, same size
 
     def load():
         with server:
@@ -866,8 +870,6 @@ def load_through_hub_fault(ws, scratch, *, fmt, fetch, fault, count, after, file
             elif fault.startswith("fail-"):
                 server.fail_next(int(fault[5:]), count, path=pattern)
             elif fault.startswith("replace-"):
-                data = bytearray(server.file_path(repo, target).read_bytes())
-                data[len(data) // 2] ^= 0xFF  # one byte of tensor data (or of the pickle) flipped, same size
                 seen = [0]
 
                 def predicate(record):
@@ -878,9 +880,20 @@ def load_through_hub_fault(ws, scratch, *, fmt, fetch, fault, count, after, file
             elif fault == "lying-size":
                 server.override_size(repo, target, os.path.getsize(os.path.join(folder, target)) + (after or 1))
             with use_hub(server, os.path.join(scratch, "hf_home")):
-                return _lowmem_load(repo, fetch=fetch, chunk_bytes=4096)
+                loaded.append(_lowmem_load(repo, fetch=fetch, chunk_bytes=4096))
+                return loaded[-1]
 
-    return _judge_load(load, _reference_weights(ws))
+    loaded = []
+    outcome = _judge_load(load, _reference_weights(ws))
+    if outcome.kind == "wrong" and fault.startswith("replace-") and loaded:
+        # the server changed the file before the load planned with it: the new file, read consistently, is right too
+        changed = os.path.join(scratch, "as-replaced")
+        shutil.copytree(folder, changed)
+        with open(os.path.join(changed, target), "wb") as f:
+            f.write(bytes(data))
+        if _judge_load(lambda: loaded[-1], lambda: _transformers_load(changed, {})).kind == "intact":
+            return Outcome("intact", "the replaced file, read consistently (the change came before the plan)")
+    return outcome
 
 
 # ----------------------------------------------------------------- saves: disk full, killed

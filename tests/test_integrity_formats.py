@@ -598,10 +598,27 @@ def test_files_name_a_download_the_hub_never_delivers(hf_hub, make_checkpoint, t
     else:
         hf_hub.fail_next(fault, None, path=shard, methods=("GET",), ranged=False)  # the header reads pass
         found = "the server answered 503"
-    with pytest.raises(HubConnectionError, match=rf"{shard} \(repo 'org/llama', revision [0-9a-f]{{40}}\): downloading it failed after huggingface_hub's retries: {found}"):
+    with pytest.raises(HubConnectionError, match=rf"{shard} \(repo 'org/llama', revision [0-9a-f]{{40}}\): downloading it failed 5 times; the last time {found}"):
         Causal.from_pretrained("org/llama", fetch="files")
     hf_hub.clear_faults()
     got = Causal.from_pretrained("org/llama", fetch="files")  # nothing half-downloaded is taken for the file
     expected = transformers.AutoModelForCausalLM.from_pretrained(local)
     for name, tensor in expected.state_dict().items():
         assert torch.equal(got.state_dict()[name], tensor), name
+
+
+def test_a_head_answered_503_is_retried_and_one_that_keeps_failing_is_named(hf_hub, make_checkpoint, tmp_path):
+    # was: the first 503 of the HEAD that reads a shard's size and etag was a raw HfHubHTTPError (huggingface_hub
+    # retries neither it nor a download whose body stayed short)
+    local = tmp_path / "repo"
+    shutil.copytree(make_checkpoint("llama", "sharded"), local)
+    hf_hub.add_repo("org/llama", local)
+    shard = "model-00002-of-00003.safetensors"
+    hf_hub.fail_next(503, 2, path=shard, methods=("HEAD",))
+    got = Causal.from_pretrained("org/llama", fetch="ranges")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(local)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(got.state_dict()[name], tensor), name
+    hf_hub.fail_next(503, None, path=shard, methods=("HEAD",))
+    with pytest.raises(HubConnectionError, match=rf"{shard} \(repo 'org/llama', revision [0-9a-f]{{40}}\): reading its size and etag failed 5 times; the last time the server answered 503"):
+        Causal.from_pretrained("org/llama", fetch="ranges")

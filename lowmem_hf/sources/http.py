@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
+from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from ..errors import CorruptCheckpointError, HubConnectionError, RemoteFileChangedError
@@ -26,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - older huggingface_hub
     import httpx as _httpx
 
-__all__ = ["HttpRanges", "TRANSPORT_ERRORS", "is_retryable_status"]
+__all__ = ["HttpRanges", "TRANSPORT_ERRORS", "is_retryable_status", "retry_hub_call"]
 
 TRANSPORT_ERRORS = (_httpx.TransportError, _httpx.StreamError)
 """What a dropped or cut connection raises, mid-body or before it."""
@@ -34,9 +35,45 @@ TRANSPORT_ERRORS = (_httpx.TransportError, _httpx.StreamError)
 _MAX_ATTEMPTS = 5
 
 
+T = TypeVar("T")
+
+
 def is_retryable_status(status: int) -> bool:
     """5xx, 408 and 429: the server may answer the same request later, as huggingface_hub's own downloads retry."""
     return status >= 500 or status in (408, 429)
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(0.05 * 2**attempt, 1.0))
+
+
+def retry_hub_call(call: Callable[[], T], *, what: str) -> T:
+    """``call()`` (a huggingface_hub request: a HEAD, a download), retried as the range reads are when the connection
+    drops or the server answers a retryable status, ``_MAX_ATTEMPTS`` times in all; then ``HubConnectionError``
+    naming ``what`` and what the last attempt met. Other errors pass through at once.
+
+    Written here because huggingface_hub retries neither a HEAD answered 5xx nor a download whose body stayed short
+    (its "Consistency check failed" ``OSError``, which carries no errno; an ``OSError`` from the disk carries one).
+    """
+    for attempt in range(_MAX_ATTEMPTS):
+        try:
+            return call()
+        except TRANSPORT_ERRORS as e:
+            why, last = f"the connection kept dropping ({type(e).__name__}: {e})", e
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status is None or not is_retryable_status(status):
+                raise
+            why, last = f"the server answered {status}", e
+        except OSError as e:
+            if e.errno is not None or type(e) is not OSError:
+                raise
+            why, last = f"the body stayed short ({e})".replace("\n", " "), e
+        if attempt + 1 < _MAX_ATTEMPTS:
+            _backoff(attempt)
+    raise HubConnectionError(
+        f"{what} failed {_MAX_ATTEMPTS} times; the last time {why}. Check the network (or proxy) to the Hub and load again."
+    ) from last
 
 
 class HttpRanges(ByteSource):
@@ -92,7 +129,7 @@ class HttpRanges(ByteSource):
                     self.requests += 1
                     self.bytes_fetched += received - before
             if received < len(view):
-                time.sleep(min(0.05 * 2**attempt, 1.0))
+                _backoff(attempt)
         if received < len(view):
             why = f"the server answered {refused} to the last one" if refused is not None else "the connection keeps dropping"
             raise HubConnectionError(
