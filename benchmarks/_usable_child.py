@@ -7,8 +7,8 @@
 Measured, in this order, from one clock: ``from_pretrained`` returns; the first forward (one sequence of 4
 tokens, no grad) returns; every parameter has been written in place once (``mul_(1)``, what a first
 optimizer step does to memory: it faults in and, for copy-on-write views of a file, copies every page).
-Memory is sampled by the parent over all three. The model's module (``modeling_llama``) and, under TP,
-the process group exist before the clock, for both loaders.
+Memory is sampled by the parent over all three. The model's module (``modeling_llama``), each loader's entry
+class and, under TP, the process group exist before the clock, for both loaders.
 
 ``bare`` (one process only) is the reference both loaders are read against: the work any load of the request
 must do and nothing else, with no model. Every tensor of every file read and converted to ``--dtype`` into
@@ -55,6 +55,10 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     config = AutoConfig.from_pretrained(args.path)
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # import modeling_llama before the clock, for both loaders
+    # each loader's entry class resolved before the clock, as `from transformers import AutoModelForCausalLM` is:
+    # lowmem_hf's package import is lazy and the first access of a class imports its stages (~0.06 s, once per
+    # process; benchmarks/bench_import.py measures it)
+    LowMem = lowmem_hf.LowMemAutoModelForCausalLM
     tp = {"tp_plan": "auto"} if distributed else {}
     ids = torch.arange(4).reshape(1, 4) % config.vocab_size
     (torch.ones(1024) * 2).sum().item()
@@ -63,7 +67,7 @@ def main() -> int:
         if args.loader == "transformers":
             return AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **tp)
         mmap = {"mmap": True} if args.loader == "lowmem-mmap" else {}
-        return lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(args.path, torch_dtype=dtype, **tp, **mmap)
+        return LowMem.from_pretrained(args.path, torch_dtype=dtype, **tp, **mmap)
 
     if args.loader == "bare":
         return bare(args.path, dtype)
