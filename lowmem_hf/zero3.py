@@ -41,8 +41,9 @@ def zero3_enabled() -> bool:
         ValueError: the load runs inside ``deepspeed.zero.Init`` with no such config (Lightning's ``configure_model``,
             or a bare ``with deepspeed.zero.Init(...)``): neither transformers nor lowmem_hf would see ZeRO-3, and
             the model would come out unpartitioned with buffers left uninitialized.
-        UnsupportedArgumentError: ZeRO-3 with DeepSpeed AutoTP (``tensor_parallel.autotp_size > 1``), which
-            transformers refuses too; the switch hands it to transformers.
+        UnsupportedArgumentError: ZeRO-3 with DeepSpeed AutoTP (``tensor_parallel.autotp_size > 1``): DeepSpeed
+            slices the gathered weights when its engine starts, so a partition read here is not what it keeps; the
+            switch hands the load to transformers (its ZeRO-3 path, which refuses only key conversions under AutoTP).
     """
     from transformers.integrations import deepspeed_config, is_deepspeed_zero3_enabled
 
@@ -58,7 +59,7 @@ def zero3_enabled() -> bool:
         raise UnsupportedArgumentError(
             "deepspeed",
             "ZeRO-3 with DeepSpeed AutoTP (tensor_parallel.autotp_size > 1) is not read into partitions by lowmem_hf "
-            "(transformers refuses it too); load with transformers' from_pretrained.",
+            "(DeepSpeed re-slices the weights when its engine starts); load with transformers' from_pretrained.",
         )
     return enabled
 
