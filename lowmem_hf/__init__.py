@@ -26,6 +26,7 @@ from .errors import (
     MissingShardError,
     NothingToLoadError,
     OutsideCheckpointError,
+    OversizedModelError,
     RankFailedError,
     RemoteFileChangedError,
     ShapeMismatchError,
@@ -104,5 +105,6 @@ __all__ = [
     "OutsideCheckpointError",
     "CorruptDownloadError",
     "HubConnectionError",
+    "OversizedModelError",
     *_AUTO_CLASS_NAMES,
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "OutsideCheckpointError",
     "CorruptDownloadError",
     "HubConnectionError",
+    "OversizedModelError",
 ]
 
 
@@ -101,3 +102,8 @@ class CorruptDownloadError(CorruptCheckpointError):
 class HubConnectionError(LowMemError, ConnectionError):
     """The Hub did not deliver a file's bytes after every retry: the connection kept dropping, or the server kept
     answering a retryable status (5xx, 408, 429). The message names the file and what the last attempt met."""
+
+
+class OversizedModelError(LowMemError, ValueError):
+    """The config builds a model vastly larger than the checkpoint (a size such as ``num_hidden_layers`` is off):
+    refused while the model is built on ``meta``, where building it would take unbounded time and memory."""

@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import os
 import re
 import time
@@ -158,7 +159,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
 
     # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
     with _zero3.partitions_without_broadcast() if zero3 else contextlib.nullcontext():
-        model = _build(request, model_class, config, main_dtype, model_kwargs)
+        model = _build(request, model_class, config, main_dtype, model_kwargs, checkpoint)
 
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
     shards = {}
@@ -488,12 +489,19 @@ def _load_config(request: LoadRequest, load: Callable[[], tuple[Any, dict[str, A
         raise ValueError(_config_error_message(e, source, request)) from e
 
 
-def _build(request: LoadRequest, model_class: type, config: Any, dtype: torch.dtype, model_kwargs: dict[str, Any]):
+def _build(
+    request: LoadRequest, model_class: type, config: Any, dtype: torch.dtype, model_kwargs: dict[str, Any], checkpoint: Checkpoint
+):
     """``build_on_meta``, with the errors transformers' model code raises on nonsense config values (a ``KeyError``
     for an unknown ``rope_type``, a ``ZeroDivisionError`` for ``num_key_value_heads=0``, torch's ``RuntimeError`` for
-    a negative size) wrapped into a ``ValueError`` naming the config file and the fields, as ``_load_config`` does."""
+    a negative size) wrapped into a ``ValueError`` naming the config file and the fields, as ``_load_config`` does;
+    and a model vastly larger than the checkpoint refused while it is built (``_oversized``)."""
+    stored = sum(math.prod(info.shape) for info in checkpoint.tensors.values())
     try:
-        return build_on_meta(model_class, config, dtype, request.model_args, model_kwargs)
+        return build_on_meta(
+            model_class, config, dtype, request.model_args, model_kwargs,
+            max_numel=max(OVERSIZE_FACTOR * stored, OVERSIZE_FLOOR), describe=lambda built: _oversized(request, config, checkpoint, stored, built),
+        )
     except (KeyError, IndexError, ZeroDivisionError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         if isinstance(e, LowMemError) or _zero3.zero3_enabled():
             raise
@@ -506,6 +514,28 @@ def _build(request: LoadRequest, model_class: type, config: Any, dtype: torch.dt
         raise ValueError(
             _config_error_message(e, source, request, what=f"{model_class.__name__}", values=values)
         ) from e
+
+
+OVERSIZE_FACTOR = 1000
+OVERSIZE_FLOOR = 10**8
+"""A model is refused while it is built on meta once its parameters pass both ``OVERSIZE_FACTOR`` times the elements
+the checkpoint stores and ``OVERSIZE_FLOOR`` elements: no checkpoint fills 0.1% of its model, and a config value off
+by orders of magnitude would otherwise build modules for hours (transformers' own from_pretrained never returns)."""
+
+
+def _oversized(request: LoadRequest, config: Any, checkpoint: Checkpoint, stored: int, built: int) -> str:
+    dims = {d for info in checkpoint.tensors.values() for d in info.shape} | {len(checkpoint.tensors)}
+    biggest = max(dims, default=0)
+    suspects = [
+        f"{k}={v}" for k, v in sorted(config.to_dict().items())
+        if isinstance(v, int) and not isinstance(v, bool) and v > biggest
+    ]
+    return (
+        f"{_config_source(request) or 'the config'} builds a model that already has {built:,} parameters, over "
+        f"{OVERSIZE_FACTOR}x the {stored:,} elements the checkpoint {checkpoint.name_or_path} stores: a size in the "
+        f"config is off" + (f" ({', '.join(suspects)}: larger than any dimension the checkpoint stores)" if suspects else "")
+        + ". Fix the config (or pass a config that matches the weights)."
+    )
 
 
 def _config_source(request: LoadRequest) -> str | None:

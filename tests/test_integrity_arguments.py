@@ -178,6 +178,28 @@ def test_config_values_that_break_building_the_model_name_the_file_and_the_field
     assert type(e.value.__cause__).__name__ == cause
 
 
+@pytest.mark.parametrize("field", ["num_hidden_layers", "intermediate_size"])
+def test_a_config_size_off_by_orders_of_magnitude_is_refused_while_building_not_a_hang(llama, field):
+    # was: the build on meta ran until the property suite's 60 s limit killed it (num_hidden_layers=10**12: a module
+    # per layer); transformers' own from_pretrained does the same, for hours
+    import time
+
+    config_file = _edit_config(llama, **{field: 10**12})
+    started = time.perf_counter()
+    with pytest.raises(lowmem_hf.OversizedModelError, match=rf"^{config_file} builds a model that already has [\d,]+ parameters, over "
+                       rf"1000x the [\d,]+ elements the checkpoint {llama} stores: a size in the config is off \({field}=1000000000000: larger"):
+        load(llama)
+    assert time.perf_counter() - started < 60
+
+
+def test_a_model_far_larger_than_its_small_checkpoint_still_loads(llama):
+    # the bound is relative and has a floor: a few extra layers on a tiny checkpoint are transformers' business
+    # (missing keys, initialized), not an oversized model
+    _edit_config(llama, num_hidden_layers=12)
+    model = load(llama)
+    assert len(model.model.layers) == 12 and model.lowmem_report.missing_keys
+
+
 def test_a_config_object_that_breaks_building_is_named_as_the_config_argument(llama):
     config = transformers.AutoConfig.from_pretrained(llama)
     config.num_key_value_heads = 0
