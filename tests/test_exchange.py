@@ -93,25 +93,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _saved_llama(tmp_path_factory, name: str, max_shard_size: str, **dims):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **dims)
+    path = tmp_path_factory.mktemp(name) / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size=max_shard_size)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tp_repo(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("exchange") / "llama"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")
-    return path
+    return _saved_llama(tmp_path_factory, "exchange", "2MB", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                        num_attention_heads=8, num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")
 def tp3_repo(tmp_path_factory):
     """Heads, KV heads, intermediate size and vocabulary that 3 divides: a checkpoint tp_size=3 can load."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1200, hidden_size=384, intermediate_size=768, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("exchange3") / "llama"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="4MB")
-    return path
+    return _saved_llama(tmp_path_factory, "exchange3", "4MB", vocab_size=1200, hidden_size=384, intermediate_size=768,
+                        num_attention_heads=6, num_key_value_heads=3)
 
 
 def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None):
