@@ -104,7 +104,7 @@ class LocalFiles(ByteSource):
         self, paths: Mapping[str, str] | None = None, *, gap_bytes: int = 0,
         planned: Mapping[str, tuple[int, int, int, int]] | None = None,
     ):
-        """``planned``: the identity (``resolve.file_identity``) each file had when its header was read; a file that
+        """``planned``: the identity (``types.file_identity``) each file had when its header was read; a file that
         is no longer that file when it is opened is refused (its tensors' offsets and sizes come from that header)."""
         self._paths = paths or {}
         self._planned = planned or {}
