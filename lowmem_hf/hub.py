@@ -30,12 +30,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.file_download import repo_folder_name
 
-from .errors import (
-    CheckpointNotFoundError,
-    CorruptDownloadError,
-    OutsideCheckpointError,
-    RemoteFileChangedError,
-)
+from .errors import CheckpointNotFoundError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, check_index_keys, check_real_path, describe_keys, is_index, parse_index, weight_candidates
 from .sources.http import HttpRanges, retry_hub_call

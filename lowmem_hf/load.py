@@ -524,8 +524,7 @@ by orders of magnitude would otherwise build modules for hours (transformers' ow
 
 
 def _oversized(request: LoadRequest, config: Any, checkpoint: Checkpoint, stored: int, built: int) -> str:
-    dims = {d for info in checkpoint.tensors.values() for d in info.shape} | {len(checkpoint.tensors)}
-    biggest = max(dims, default=0)
+    biggest = max((d for info in checkpoint.tensors.values() for d in info.shape), default=0)
     suspects = [
         f"{k}={v}" for k, v in sorted(config.to_dict().items())
         if isinstance(v, int) and not isinstance(v, bool) and v > biggest

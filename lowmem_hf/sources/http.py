@@ -27,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - older huggingface_hub
     import httpx as _httpx
 
-__all__ = ["HttpRanges", "TRANSPORT_ERRORS", "is_retryable_status", "retry_hub_call"]
+__all__ = ["HttpRanges", "retry_hub_call"]
 
 TRANSPORT_ERRORS = (_httpx.TransportError, _httpx.StreamError)
 """What a dropped or cut connection raises, mid-body or before it."""
