@@ -57,8 +57,8 @@ def main():
             with open(args.losses_out, "w") as f:
                 json.dump(recorder.losses, f)
     if torch.distributed.is_initialized():
-        # both ranks leave their last collective before either tears the group down: a rank that exits while its
-        # peer's gloo thread still talks to it can abort the peer ("terminate called without an active exception")
+        # an orderly end: left to the interpreter's exit, gloo aborts a rank now and then
+        # (client_harness._end_process_group has the cause)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

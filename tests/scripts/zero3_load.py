@@ -10,6 +10,7 @@ import warnings
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU, gloo without oneCCL (NOTES.md)
 
 import deepspeed  # noqa: E402
+import torch.distributed  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
 
@@ -69,3 +70,4 @@ def main(path: str, mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "fallback")
+    torch.distributed.destroy_process_group()  # before the interpreter's exit: see client_harness._end_process_group

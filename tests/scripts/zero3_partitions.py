@@ -121,6 +121,7 @@ def main(out: str, cases: list[str]) -> None:
     with open(f"{out}.{dist.get_rank()}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()
+    dist.destroy_process_group()  # before the interpreter's exit: see client_harness._end_process_group
 
 
 if __name__ == "__main__":

@@ -58,10 +58,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     with open(os.path.join(args.output_dir, f"zero3_train.{rank}.json"), "w") as f:
         json.dump({"rank": rank, "losses": losses, "partitions": digest.hexdigest(), "lowmem_report": hasattr(model, "lowmem_report")}, f)
-    # an orderly end, as torchrun scripts end (finetune_plain.py too). Left to interpreter exit, a rank now and then
-    # died with "terminate called without an active exception" (SIGABRT) after its results were written: C++
-    # threads torn down unjoined (2 of 8 pytest runs of the Trainer test on the newest stack, once seen in the
-    # switched run; none in 28 direct runs, plain or switched)
+    # an orderly end, as torchrun scripts end; left to the interpreter's exit, gloo aborts a rank now and then
+    # (client_harness._end_process_group has the cause)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
