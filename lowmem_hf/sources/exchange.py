@@ -19,7 +19,7 @@ and every rank fetches the replicated tensors again; here the ranks fetch togeth
    gave each rank the whole checkpoint, three times what it reads at tp 3.
 
 Memory: this rank's spans of a wave and the pieces it receives (at most its share of the wave, ``wave_bytes``,
-default 64 MiB, at least two spans per rank), the packed copies of pieces it sends while they are in flight
+default 64 MiB, larger only where ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight
 (only pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one contiguous piece is sent from the
 span itself), plus this rank's spans of the next wave, whose requests start as soon as this wave's are done:
 the network works on wave k+1 while wave k is exchanged and read.
@@ -55,6 +55,7 @@ DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 30.0
 _FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency
+_MIN_SPAN_BYTES = 4 * 1024 * 1024  # below this a span's request latency weighs more than its transfer
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,14 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index)
 
 
+def wave_span_bytes(span_bytes: int, world: int) -> int:
+    """The span size: at most ``span_bytes``, and small enough that each rank owns ``_FETCH_THREADS`` spans of a
+    default wave, down to ``_MIN_SPAN_BYTES`` (the wave grows instead). A span is one connection, and a connection's
+    rate is capped (a CDN's per-connection throughput, the benchmark's throttle): with 16 MiB spans, 3 ranks owned
+    two spans of each 96 MiB wave and left half their fetch threads idle."""
+    return min(span_bytes, max(_MIN_SPAN_BYTES, DEFAULT_WAVE_BYTES // (world * _FETCH_THREADS)))
+
+
 class CooperativeRanges(ByteSource):
     """The byte source of a cooperative fetch (see the module doc): ``read(file, view, offset)`` from the wave."""
 
@@ -222,7 +231,9 @@ class CooperativeRanges(ByteSource):
         runs = _runs(plan)
         gathered: list = [None] * self._world
         dist.all_gather_object(gathered, runs)
-        wave_bytes = wave_bytes if wave_bytes is not None else max(DEFAULT_WAVE_BYTES, 2 * self._world * span_bytes)
+        span_bytes = wave_span_bytes(span_bytes, self._world)
+        if wave_bytes is None:
+            wave_bytes = max(DEFAULT_WAVE_BYTES, self._world * _FETCH_THREADS * span_bytes)
         self._schedule = schedule_spans(gathered, span_bytes=span_bytes, wave_bytes=wave_bytes)
         self._wave_of, self._waves = self._schedule.wave_of, self._schedule.waves
         del gathered
