@@ -71,28 +71,41 @@ def _is_404(e: Exception) -> bool:
 
 
 def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
-    """The commit sha ``revision`` points to; under a process group rank 0 resolves and every rank uses its sha.
+    """The commit sha ``revision`` points to; under a process group every rank uses rank 0's sha.
 
     Resolution is ``hf_hub_download`` of ``config.json`` (which follows the branch and records the commit in
     the cache, and works offline from the cache's refs), so a branch that moves mid-load cannot mix commits.
+    Every rank downloads ``config.json`` at once (each node has its own cache, and the config is read next), then
+    takes rank 0's sha; a rank that saw another commit, or failed, downloads it again at rank 0's sha. (Rank 0
+    alone first cost the other ranks a second round of requests, after the broadcast.)
     """
     revision = revision or "main"
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     commit, error = None, None
-    if not shared or dist.get_rank() == 0:
-        try:
-            commit = _download(repo_id, "config.json", revision, hub).split(os.sep + "snapshots" + os.sep)[1].split(os.sep)[0]
-        except Exception as e:  # re-raised below, after the other ranks have been told
-            error = e
-    if shared:
-        box = [commit if error is None else None]
-        dist.broadcast_object_list(box, src=0)
-        commit = box[0]
-        if commit is None and error is None:
-            raise CheckpointNotFoundError(f"Rank 0 could not resolve {repo_id!r} at revision {revision!r}; see its error.")
-    if error is not None:
-        raise error
-    return commit
+    try:
+        commit = _commit_of(_download(repo_id, "config.json", revision, hub))
+    except Exception as e:  # re-raised below, after the other ranks have been told (rank 0) or at rank 0's sha
+        error = e
+    if not shared:
+        if error is not None:
+            raise error
+        return commit
+    box = [commit if error is None else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        if error is not None:
+            raise error
+        return commit
+    if box[0] is None:
+        raise CheckpointNotFoundError(f"Rank 0 could not resolve {repo_id!r} at revision {revision!r}; see its error.")
+    if box[0] != commit:  # the branch moved between the ranks' requests, or this rank failed: rank 0's commit
+        _download(repo_id, "config.json", box[0], hub)
+    return box[0]
+
+
+def _commit_of(path: str) -> str:
+    """The commit of a file in the HF cache: ``.../snapshots/<commit>/<file>``."""
+    return path.split(os.sep + "snapshots" + os.sep)[1].split(os.sep)[0]
 
 
 def _download(

@@ -141,7 +141,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     if not is_hub:
         _reject_adapter(request)
     if is_hub:
-        # one commit for config, index, headers and weights (rank 0 resolves, the others use its sha)
+        # one commit for config, index, headers and weights (every rank uses rank 0's sha)
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
     model_class, config, model_kwargs = _resolve_class_and_config(request)
     _reject_quantized(config)

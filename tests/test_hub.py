@@ -1,7 +1,9 @@
 """Hub repos through huggingface_hub against the loopback fake Hub: one pinned commit, only the planned bytes."""
 
+import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -201,6 +203,37 @@ def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
     assert transferred == sum(r["fetched"] + r["header_bytes"] - index for r in ranks)
     assert sum(r["fetched"] for r in ranks) == checkpoint - sum(r["header_bytes"] - index for r in ranks[:1])
     assert all(r["received"] > 0 for r in ranks)
+
+
+def _moved_branch_worker(rank, world, port, url, homes, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if rank == 1:  # starts once rank 0 has config.json, so it asks for `main` after the branch moved
+            while not any(f == "config.json" for _, _, files in os.walk(homes[0]) for f in files):
+                time.sleep(0.01)
+        with use_hub(url, homes[rank]):
+            model, report = Causal.from_pretrained("org/moving", fetch="ranges", output_loading_info=True)
+        torch.save({"commit": report.commit, "eps": model.config.rms_norm_eps}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_loads_rank_0s_commit_when_the_branch_moves_between_their_requests(hf_hub, make_checkpoint, tmp_path):
+    before = hf_hub.add_repo("org/moving", make_checkpoint("llama", "sharded"))
+    moved = json.loads(hf_hub.file_path("org/moving", "config.json").read_text())
+    moved["rms_norm_eps"] = 0.125
+    hf_hub.replace_file("org/moving", "config.json", json.dumps(moved), new_commit=True,
+                        when=lambda r: r.method == "GET" and r.filename == "config.json")
+    homes = [str(tmp_path / f"node{r}") for r in range(2)]
+    mp.spawn(_moved_branch_worker, args=(2, _free_port(), hf_hub.url, homes, str(tmp_path)), nprocs=2, join=True)
+    after = hf_hub.commit_sha("org/moving")
+    assert after != before
+    assert any(r.filename == "config.json" and r.commit == after for r in hf_hub.requests)  # rank 1 saw the move
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert got["commit"] == before and got["eps"] != 0.125, (rank, got)
 
 
 def test_files_mode_downloads_only_the_files_the_plan_touches(hf_hub, make_checkpoint, tmp_path):
