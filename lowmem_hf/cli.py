@@ -1,6 +1,6 @@
 """``lowmem-hf``: plan a load, measure one against transformers, or run an unchanged script with the switch on.
 
-    lowmem-hf plan MODEL [--tp-size N] [--json] ...      what every rank will read, download and hold; no tensor byte
+    lowmem-hf plan MODEL [--tp-size N] [--json] ...      what every rank will read, download and hold; no tensor read
     lowmem-hf load MODEL [--compare-transformers] ...    a measured load in a fresh process (also under torchrun)
     lowmem-hf run SCRIPT [ARGS...]                       every from_pretrained of SCRIPT through lowmem_hf
     lowmem-hf demo [--workdir DIR]                       build a small sharded Llama offline, load it, print the report
@@ -112,7 +112,7 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "tp_size": args.tp_size, "ranks": [e.to_json() for e in estimates]}, indent=2))
         return 0
-    print(f"plan for {args.model} (tp_size {args.tp_size}); no tensor byte was read")
+    print(f"plan for {args.model} (tp_size {args.tp_size}); no tensor was read")
     for e in estimates:
         print(
             f"rank {e.rank}: {len(e.files)} file(s), read {e.bytes_to_read / _MIB:.1f} MiB, download "
@@ -238,7 +238,7 @@ def _demo(args) -> int:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
-    "plan": ("what each rank will read, download and hold; reads no tensor byte", _plan_parser, _plan),
+    "plan": ("what each rank will read, download and hold; reads no tensor", _plan_parser, _plan),
     "load": ("a measured load in a fresh process, optionally against transformers", _load_parser, _load),
     "run": ("run an unchanged script with every from_pretrained through lowmem_hf", _run_parser, _run),
     "demo": ("build a small sharded Llama offline and load it", _demo_parser, _demo),

@@ -17,6 +17,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Iterable
 
 import torch.distributed as dist
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
@@ -314,10 +315,10 @@ def _cached(repo_id: str, repo_path: str, commit: str, hub: HubArgs) -> str | No
     return path
 
 
-def _remote_header(remote: RemoteFile, hub: HubArgs):
-    """A remote safetensors file's header, read with two Range requests (its length, then the header) through
-    huggingface_hub's own session (exactly those bytes), retried and checked (size, etag) as the tensor bytes of
-    ``fetch="ranges"`` are."""
+def _remote_header(remote: RemoteFile, hub: HubArgs, keys: Iterable[str] = ()):
+    """A remote safetensors file's header, read with Range requests through huggingface_hub's own session,
+    retried and checked (size, etag) as the tensor bytes of ``fetch="ranges"`` are. With the index's ``keys``
+    of the file, one request for about the header's size (``_header_estimate``); else the length, then the header."""
     source = HttpRanges({remote.filename: remote}, token=hub.get("token"))
 
     def ranged(start: int, stop: int) -> bytes:
@@ -326,9 +327,44 @@ def _remote_header(remote: RemoteFile, hub: HubArgs):
         return bytes(buffer)
 
     try:
-        return safetensors.read_header_by_ranges(ranged, size=remote.size, name=remote.filename)
+        return safetensors.read_header_by_ranges(
+            ranged, size=remote.size, name=remote.filename, first_bytes=_header_estimate(keys)
+        )
     finally:
         source.close()
+
+
+def _first_candidate(
+    repo_id: str, candidates: list[str], commit: str, hub: HubArgs, offline: bool
+) -> tuple[str | None, RemoteFile | None]:
+    """The first of ``candidates`` (in order) that is in the cache or, online, on the Hub (with its HEAD's answer).
+
+    The candidates before the first cached one are probed a format at a time, the single file and its index with
+    their HEADs at once: one after the other, a sharded checkpoint paid a round trip for the 404 of
+    ``model.safetensors`` before asking for its index. A probe's error is raised only if no candidate before it
+    exists, as when they ran in order.
+    """
+    cached = [_cached(repo_id, _repo_path(c, hub), commit, hub) is not None for c in candidates]
+    before_cached = candidates[: cached.index(True)] if True in cached else candidates
+    probes = [] if offline else before_cached
+    for pair in (probes[i : i + 2] for i in range(0, len(probes), 2)):  # weight_candidates: (file, index) per format
+        with ThreadPoolExecutor(max_workers=len(pair), thread_name_prefix="lowmem-probe") as pool:
+            futures = [pool.submit(_remote, repo_id, c, commit, hub) for c in pair]
+            for candidate, future in zip(pair, futures):
+                remote = future.result()  # raises the probe's error
+                if remote is not None:
+                    return candidate, remote
+    if len(before_cached) < len(candidates):
+        return candidates[len(before_cached)], None
+    return None, None
+
+
+def _header_estimate(keys: Iterable[str]) -> int:
+    """Bytes to ask for first to get a shard's length prefix and header in one request: safetensors writes one
+    entry per tensor, ``"<key>":{"dtype":"BF16","shape":[a,b],"data_offsets":[x,y]},``, about 100 bytes besides
+    the key, plus ``__metadata__``. Over by a few hundred bytes per shard; a larger header costs a second request."""
+    keys = list(keys)
+    return 8 + sum(len(k) + 112 for k in keys) + 512 if keys else 8
 
 
 def resolve_hub(
@@ -361,16 +397,7 @@ def resolve_hub(
     for candidate in candidates:
         _check_repo_path(candidate, _repo_path(candidate, hub), repo_id=repo_id, what=what)
 
-    found, remote_found = None, None
-    for candidate in candidates:
-        if _cached(repo_id, _repo_path(candidate, hub), commit, hub) is not None:
-            found = candidate
-            break
-        if not offline:
-            remote_found = _remote(repo_id, candidate, commit, hub)
-            if remote_found is not None:
-                found = candidate
-                break
+    found, remote_found = _first_candidate(repo_id, candidates, commit, hub, offline)
     if found is None:
         raise CheckpointNotFoundError(
             f"Cannot load {repo_id!r} (revision {commit!r}): none of {', '.join(candidates)} exists"
@@ -394,10 +421,12 @@ def resolve_hub(
 
     header_bytes = 0
     index_metadata = None
+    shard_keys = {}  # the index's keys of each shard: how large its header is
     if is_index(found):
         index_path = _download(repo_id, found, commit, hub, expected=remote_found, verify=verify)
         header_bytes += os.path.getsize(index_path)
         by_file, index_metadata = parse_index(index_path)
+        shard_keys = by_file
         for name, keys in by_file.items():  # every entry inside the repo before any shard is looked up
             _check_repo_path(name, _repo_path(name, hub), repo_id=repo_id, what=f"{found} maps {describe_keys(keys)} to")
         names = sorted(by_file)
@@ -414,7 +443,7 @@ def resolve_hub(
             # latency, shards one after another were most of the planning of a fetch="ranges" load
             def header(name: str):
                 planned_remote = planned(name)
-                return planned_remote, _remote_header(planned_remote, hub)
+                return planned_remote, _remote_header(planned_remote, hub, shard_keys.get(name, ()))
 
             with ThreadPoolExecutor(max_workers=min(8, len(todo)), thread_name_prefix="lowmem-headers") as pool:
                 headers = dict(zip(todo, pool.map(header, todo)))  # the first error, in shard order, is raised

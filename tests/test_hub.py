@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import struct
 import time
 
 import pytest
@@ -72,13 +73,14 @@ def test_revision_is_resolved_once_to_a_commit(hf_hub, make_checkpoint):
 def test_cut_connection_still_loads_identical_weights(hf_hub, make_checkpoint, fetch):
     local = make_checkpoint("llama", "sharded")
     hf_hub.add_repo("org/llama", local)
-    # the first 6 matching GETs are the planning reads of 3 headers (length, then JSON), shorter than the cut
-    hf_hub.cut_next(1000, count=6 + 2, path="*.safetensors")
+    # the first 3 matching GETs are the planning reads of 3 headers (length and JSON in one read, cut where longer
+    # than the cut and resumed), then 2 more
+    hf_hub.cut_next(1000, count=3 + 2, path="*.safetensors")
     got, report = Causal.from_pretrained("org/llama", fetch=fetch, output_loading_info=True)
     assert_same(got, Causal.from_pretrained(local))
-    # the 7th and 8th GETs are cut if longer than the cut; which reads they are depends on the order concurrent
+    # the 4th and 5th GETs are cut if longer than the cut; which reads they are depends on the order concurrent
     # reads reach the server (a small norm weight may be one of them), so at least one body was really cut
-    assert 1 <= sum(r.cut for r in hf_hub.requests) <= 2
+    assert 1 <= sum(r.cut for r in hf_hub.requests) <= 5
 
 
 def test_remote_file_that_changed_size_is_an_error_naming_it(hf_hub, make_checkpoint, tmp_path):
@@ -201,7 +203,8 @@ def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
     index = os.path.getsize(tmp_path / "tp" / "model.safetensors.index.json")
     # the ranks fetch together (exchange.py): each tensor byte once, plus every rank's header reads
     assert transferred == sum(r["fetched"] + r["header_bytes"] - index for r in ranks)
-    assert sum(r["fetched"] for r in ranks) == checkpoint - sum(r["header_bytes"] - index for r in ranks[:1])
+    headers = sum(8 + struct.unpack("<Q", (tmp_path / "tp" / f).read_bytes()[:8])[0] for f in weight_files(tmp_path / "tp"))
+    assert sum(r["fetched"] for r in ranks) == checkpoint - headers  # every tensor byte once, by one rank
     assert all(r["received"] > 0 for r in ranks)
 
 

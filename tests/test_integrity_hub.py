@@ -8,6 +8,7 @@ against the etag the load was planned with; header Range reads retry as body rea
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -208,7 +209,7 @@ def test_etag_that_changes_between_metadata_and_download_is_remote_file_changed(
     def planned_and_header_read(record) -> bool:  # the last request of the plan: the HEAD (.bin), the header read
         if record.filename != name:
             return False
-        return record.method == "HEAD" if fmt == "bin" else record.method == "GET" and not record.range.startswith("bytes=0-")
+        return record.method == "HEAD" if fmt == "bin" else record.method == "GET" and record.range is not None
 
     lfs_hub.replace_file("org/llama", name, changed, when=planned_and_header_read)
     with pytest.raises(RemoteFileChangedError) as e:
@@ -255,7 +256,8 @@ def test_header_range_read_cut_on_every_try_is_retried_then_a_named_error(hf_hub
     with pytest.raises(HubConnectionError) as e:
         Causal.from_pretrained("org/llama")
     msg = str(e.value)
-    assert name in msg and "got 0 of 8 bytes at offset 0 after 5 attempts" in msg and "keeps dropping" in msg
+    # the first read asks for the length prefix and about the header's size at once (hub._header_estimate)
+    assert name in msg and re.search(r"got 0 of \d+ bytes at offset 0 after 5 attempts", msg) and "keeps dropping" in msg
     assert len([r for r in hf_hub.requests if r.filename == name and r.method == "GET"]) == 5
 
 

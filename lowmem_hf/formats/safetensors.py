@@ -90,20 +90,28 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], int]:
         return read_header_by_ranges(fetch, size=size, name=path)
 
 
-def read_header_by_ranges(fetch: Callable[[int, int], bytes], *, size: int, name: str) -> tuple[dict[str, TensorInfo], int]:
-    """Parse the header of a ``size``-byte safetensors file whose bytes ``[start, stop)`` ``fetch`` returns (two
-    calls: the length, then the header); ``name`` goes into ``TensorInfo.file`` and errors. A remote file is
-    validated as a local one: ``size`` is the size the Hub reports.
+def read_header_by_ranges(
+    fetch: Callable[[int, int], bytes], *, size: int, name: str, first_bytes: int = 8
+) -> tuple[dict[str, TensorInfo], int]:
+    """Parse the header of a ``size``-byte safetensors file whose bytes ``[start, stop)`` ``fetch`` returns: first
+    ``first_bytes`` (the length prefix, and the header too where the caller can estimate its size: one request
+    instead of two on a remote file), then whatever of the header is still missing. ``name`` goes into
+    ``TensorInfo.file`` and errors. A remote file is validated as a local one: ``size`` is the size the Hub reports.
 
     Returns:
-        ``({key: TensorInfo}, bytes_read)``.
+        ``({key: TensorInfo}, bytes_read)``; ``bytes_read`` counts an over-estimate's tensor bytes too.
 
     Raises:
         CorruptCheckpointError: the file breaks a rule of the format (named in the message).
     """
-    header_len = header_length(fetch(0, 8), size, name)
-    raw = fetch(8, 8 + header_len)
-    return parse_header(raw, header_len=header_len, file_size=size, name=name), 8 + header_len
+    first = fetch(0, min(size, max(8, first_bytes)))
+    header_len = header_length(first[:8], size, name)
+    raw = first[8 : 8 + header_len]
+    read = len(first)
+    if len(raw) < header_len:
+        rest = fetch(read, 8 + header_len)
+        raw, read = raw + rest, read + len(rest)
+    return parse_header(raw, header_len=header_len, file_size=size, name=name), read
 
 
 def header_length(prefix: bytes, size: int, name: str) -> int:
