@@ -111,7 +111,9 @@ def test_plan_of_a_hub_repo_reads_only_the_headers(hf_hub, make_checkpoint, caps
         # one read from byte 0 for the length prefix and about the header's size (the index's keys tell), as
         # huggingface_hub's get_safetensors_metadata reads a prefix: the header and at most a few KiB past it
         slack = 4096
-        assert asked and all(r is not None and r.startswith("bytes=0-") and int(r.rpartition("-")[2]) < header_end + slack for r in asked), (name, asked)
+        assert asked and all(
+            r is not None and r.startswith("bytes=0-") and int(r.rpartition("-")[2]) < header_end + slack for r in asked
+        ), (name, asked)
         assert hf_hub.bytes_for("org/llama", name) <= 2 * (header_end + slack)  # each rank's plan read the header
 
 

@@ -19,9 +19,9 @@ and every rank fetches the replicated tensors again; here the ranks fetch togeth
    gave each rank the whole checkpoint, three times what it reads at tp 3.
 
 Memory: this rank's spans of a wave and the pieces it receives (at most its share of the wave, ``wave_bytes``,
-default 64 MiB, larger only where ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight
-(only pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one contiguous piece is sent from the
-span itself), plus this rank's spans of the next wave, whose requests start as soon as this wave's are done:
+default 64 MiB, larger only where ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it
+sends while they are in flight (only pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one
+contiguous piece is sent from the span itself), plus this rank's spans of the next wave, whose requests start as soon as this wave's are done:
 the network works on wave k+1 while wave k is exchanged and read.
 The process group's store carries the statuses because a store wait has a timeout and tells which key (rank)
 is missing, where a gloo receive from a dead peer only fails, or hangs until the group's timeout. A rank whose
