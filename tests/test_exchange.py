@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from test_hub import weight_files
-from lowmem_hf.sources.exchange import RankRuns, schedule_spans
+from lowmem_hf.sources.exchange import DEFAULT_WAVE_BYTES, RankRuns, schedule_spans, wave_span_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")
@@ -43,6 +43,15 @@ def test_schedule_covers_the_union_once_in_spans_shared_evenly():
     assert abs(owned[0] - owned[1]) <= 300
     small = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1)
     assert small.wave_of == {"l0": 0, "l1": 1} and len(small.waves) == 2  # one wave per submodule, in plan order
+
+
+def test_spans_give_every_fetch_thread_of_every_rank_a_connection_down_to_4_mib():
+    mib = 1024 * 1024
+    # a default wave (64 MiB) holds 4 spans per rank: one per fetch thread, each its own capped connection
+    assert wave_span_bytes(16 * mib, 2) == 8 * mib and wave_span_bytes(16 * mib, 3) == DEFAULT_WAVE_BYTES // 12
+    assert wave_span_bytes(16 * mib, 1) == 16 * mib  # never above the asked-for span
+    assert wave_span_bytes(16 * mib, 64) == 4 * mib  # never below 4 MiB on its own: the wave grows instead
+    assert wave_span_bytes(1 * mib, 3) == 1 * mib  # a smaller span asked for is kept
 
 
 def test_a_span_gives_each_rank_only_the_parts_its_runs_cover():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -124,6 +125,15 @@ def test_offline_after_one_online_load_makes_no_request(hf_hub, make_checkpoint,
     with pytest.raises((LocalEntryNotFoundError, OfflineModeIsEnabled)):
         Causal.from_pretrained("org/other")
     assert hf_hub.requests == []
+
+
+def test_planning_reads_each_shard_header_with_one_request(hf_hub, make_checkpoint):
+    local = make_checkpoint("llama", "sharded")
+    hf_hub.add_repo("org/llama", local)
+    lowmem_hf.prepare(lowmem_hf.make_request(transformers.AutoModelForCausalLM, "org/llama", fetch="ranges"))  # planning
+    for name in weight_files(local):
+        gets = [r.range for r in hf_hub.requests if r.filename == name and r.method == "GET"]
+        assert len(gets) == 1 and gets[0].startswith("bytes=0-"), (name, gets)  # length prefix and header at once
 
 
 @pytest.mark.parametrize(
