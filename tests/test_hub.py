@@ -213,7 +213,8 @@ def test_two_ranks_with_ranges_transfer_about_one_checkpoint(hf_hub, tmp_path):
     index = os.path.getsize(tmp_path / "tp" / "model.safetensors.index.json")
     # the ranks fetch together (exchange.py): each tensor byte once, plus every rank's header reads
     assert transferred == sum(r["fetched"] + r["header_bytes"] - index for r in ranks)
-    headers = sum(8 + struct.unpack("<Q", (tmp_path / "tp" / f).read_bytes()[:8])[0] for f in weight_files(tmp_path / "tp"))
+    shards = [tmp_path / "tp" / f for f in weight_files(tmp_path / "tp")]
+    headers = sum(8 + struct.unpack("<Q", shard.read_bytes()[:8])[0] for shard in shards)
     assert sum(r["fetched"] for r in ranks) == checkpoint - headers  # every tensor byte once, by one rank
     assert all(r["received"] > 0 for r in ranks)
 
@@ -224,7 +225,10 @@ def _moved_branch_worker(rank, world, port, url, homes, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         if rank == 1:  # starts once rank 0 has config.json, so it asks for `main` after the branch moved
+            deadline = time.monotonic() + 60  # rank 0 failed before that: its error ends the test, not a hang here
             while not any(f == "config.json" for _, _, files in os.walk(homes[0]) for f in files):
+                if time.monotonic() > deadline:
+                    break
                 time.sleep(0.01)
         with use_hub(url, homes[rank]):
             model, report = Causal.from_pretrained("org/moving", fetch="ranges", output_loading_info=True)
