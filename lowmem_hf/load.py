@@ -500,7 +500,8 @@ def _build(
     try:
         return build_on_meta(
             model_class, config, dtype, request.model_args, model_kwargs,
-            max_numel=max(OVERSIZE_FACTOR * stored, OVERSIZE_FLOOR), describe=lambda built: _oversized(request, config, checkpoint, stored, built),
+            max_numel=max(OVERSIZE_FACTOR * stored, OVERSIZE_FLOOR),
+            describe=lambda built: _oversized(request, config, checkpoint, stored, built),
         )
     except (KeyError, IndexError, ZeroDivisionError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         if isinstance(e, LowMemError) or _zero3.zero3_enabled():

@@ -90,8 +90,11 @@ def _results(proc: subprocess.CompletedProcess, what: str, nproc: int) -> dict[i
     return by_rank
 
 
-def run_both(script: str, args: list[str], tmp_path, *, nproc: int = 1) -> tuple[dict[int, dict], dict[int, dict], str]:
-    """Run ``script`` plainly and under the switch, side by side, each in its own folder under ``tmp_path``.
+def run_both(
+    script: str, args: list[str], tmp_path, *, nproc: int = 1, hub=None
+) -> tuple[dict[int, dict], dict[int, dict], str]:
+    """Run ``script`` plainly and under the switch, side by side, each in its own folder under ``tmp_path``
+    (``hub``: a ``HubServer`` the runs talk to, each with its own empty HF cache).
 
     Returns:
         (plain results by rank, switched results by rank, the switched run's output: stdout then stderr; where
@@ -104,7 +107,8 @@ def run_both(script: str, args: list[str], tmp_path, *, nproc: int = 1) -> tuple
         cwd.mkdir()
         with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
             procs[what] = subprocess.Popen(
-                [*launcher, os.path.join(SCRIPTS, script), *args], env=_env(cwd), cwd=str(cwd),
+                [*launcher, os.path.join(SCRIPTS, script), *args], cwd=str(cwd),
+                env=_env(cwd) if hub is None else hub.subprocess_env(cwd / "hf_home", base=_env(cwd)),
                 stdout=stdout, stderr=stderr, start_new_session=True,  # a session: a timeout ends torchrun's ranks too
             )
     done = {}
@@ -166,6 +170,19 @@ def test_run_clm_under_torchrun_ddp_trains_bit_identically_under_the_switch(tiny
     assert plain[0]["world_size"] == 2 and len(plain[0]["losses"]) == 5
     assert plain[0]["trained_weights"] == plain[1]["trained_weights"]  # DDP kept the replicas equal
     assert_same_results(plain, switched, ("losses", "grad_norms", "trained_weights"))
+
+
+def test_run_clm_under_torchrun_from_the_hub_trains_bit_identically_under_the_switch(tiny_lm, hub_server, tmp_path):
+    # run_clm's `revision="main"` from a Hub repo: under the switch every rank pins the same commit (rank 0's)
+    commit = hub_server.add_repo("org/tiny", tiny_lm)
+    hub_server.reset_counters()
+    args = _run_clm_args("org/tiny", "--ddp_backend", "gloo", "--dtype", "bfloat16")
+    plain, switched, output = run_both("run_clm_like.py", args, tmp_path, nproc=2, hub=hub_server)
+    assert_lowmem_served_every_load(plain, switched, output, loads=1)
+    assert plain[0]["world_size"] == 2 and len(plain[0]["losses"]) == 5
+    assert_same_results(plain, switched, ("losses", "grad_norms", "trained_weights"))
+    weights = [r for r in hub_server.requests if r.filename and r.filename.endswith(".safetensors")]
+    assert weights and all(r.commit == commit for r in weights)
 
 
 def test_trl_sft_trainer_loading_from_a_path_trains_bit_identically(tiny_lm, tmp_path):
