@@ -1,15 +1,18 @@
 """DeepSpeed ZeRO-3: every rank reads only its own partition of each parameter, and the partitions, buffers and
-a Trainer job's losses are bit-identical to transformers' own ZeRO-3 load. Real DeepSpeed on CPU, 2 gloo ranks."""
+a Trainer job's losses are bit-identical to transformers' own ZeRO-3 load; a DeepSpeed AutoTP job (stages 0-2) trains
+bit-identically under the switch. Real DeepSpeed on CPU, 2 gloo ranks."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
 pytest.importorskip("deepspeed")
 
@@ -91,6 +94,32 @@ def test_a_zero3_trainer_job_trains_bit_identically_under_the_switch(make_checkp
         assert switched["lowmem_report"] and not plain["lowmem_report"]
         assert len(plain["losses"]) == 5 and switched["losses"] == plain["losses"]
         assert switched["partitions"] == plain["partitions"]  # the trained partitions, bit for bit
+
+
+@pytest.mark.parametrize("case,stage", [("llama", 0), ("qwen2_tied", 1)])
+def test_a_deepspeed_autotp_job_trains_bit_identically_under_the_switch(make_checkpoint, tmp_path, case, stage):
+    # AutoTP at stages 0-2 (README, "DeepSpeed"): lowmem_hf loads the whole model, as transformers does, and
+    # DeepSpeed's engine cuts each rank's slices out of it when it starts. Reading only the slices is not done.
+    model = make_checkpoint(case, "sharded")
+    script = [os.path.join(SCRIPTS, "autotp_train.py"), "--model", model, "--output-dir", ".", "--zero-stage", str(stage)]
+    stored = 0
+    for name in os.listdir(model):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model, name), "pt") as f:
+                stored += sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # fp32: 4 bytes an element
+    runs = {}
+    for what, prefix in (("plain", []), ("switched", ["-m", "lowmem_hf", "run"])):
+        (tmp_path / what).mkdir()
+        _run(_torchrun(2, *prefix, *script), tmp_path / what)
+        runs[what] = {r: json.loads((tmp_path / what / f"autotp_train.{r}.json").read_text()) for r in (0, 1)}
+    for rank in (0, 1):
+        plain, switched = runs["plain"][rank], runs["switched"][rank]
+        assert switched["lowmem_report"] and not plain["lowmem_report"]
+        assert len(plain["losses"]) == 4 and switched["losses"] == plain["losses"]
+        assert switched["shapes"] == plain["shapes"] and switched["slices"] == plain["slices"]  # bit for bit
+        assert plain["shapes"]["model.layers.0.self_attn.q_proj.weight"] == [32, 64]  # DeepSpeed did slice: 64 -> 32
+        assert switched["bytes_read"] - switched["header_bytes"] == stored  # every tensor, whole, on every rank
+    assert runs["plain"][0]["slices"] != runs["plain"][1]["slices"]  # each rank holds its own
 
 
 def _free_port() -> int:
