@@ -16,6 +16,7 @@ costs no staging; submodules are still yielded (and assigned) strictly in plan o
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -150,10 +151,33 @@ def stream(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+            _trim_heap()
         try:
             reader.close()
         finally:
             source.close()
+
+
+def _trim_heap() -> None:
+    """Give back what the finished reader threads' malloc arenas hold free.
+
+    glibc gives each thread that allocates its own arena and keeps what is freed there for the next allocation;
+    the reader threads are gone once the stream ends, and nothing allocates from their arenas again. Measured
+    here (2 ranks, 4 reader threads each, the 2 GB fp32 checkpoint as bf16): 4 MB per rank stayed resident until
+    the process ended, which the first forward then added to its peak. ``malloc_trim(0)`` (glibc; ~0.5 ms)
+    returns it. Neither torch nor Python offers this; elsewhere (no glibc) there is nothing to do.
+    """
+    global _malloc_trim
+    if _malloc_trim is False:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim  # this process's own C library
+        except (OSError, TypeError, AttributeError):  # not glibc (musl, macOS), or no C library by that name (Windows)
+            _malloc_trim = None
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+_malloc_trim = False  # not looked up yet
 
 
 def _read_bytes(sub: SubmodulePlan) -> int:
