@@ -62,7 +62,6 @@ def main() -> None:
             "rank": rank, "losses": [float(x).hex() for x in losses], "slices": digest.hexdigest(), "shapes": shapes,
             "lowmem_report": report is not None, "bytes_read": report.bytes_read if report else None,
             "header_bytes": report.header_bytes if report else None,
-            "model_bytes": report.model_bytes if report else None,
         }, f)
     torch.distributed.barrier()  # an orderly end (client_harness._end_process_group has why)
     torch.distributed.destroy_process_group()
