@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 from lowmem_hf import cli
+from lowmem_hf.sources.local import cached_fraction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -80,6 +82,53 @@ def test_plan_agrees_with_a_measured_load_compared_with_transformers(mid_llama, 
     _assert_agrees(planned[0], measured)
     assert theirs["loader"] == "transformers" and theirs["model_bytes"] == measured["model_bytes"]
     assert theirs["missing_keys"] == measured["missing_keys"] == []
+
+
+def _evict(files: list[str]) -> None:
+    for path in files:  # the clean pages out of the page cache: what a cold disk looks like
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)  # a file just written has dirty pages, which cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if cached_fraction(files) > 0.5:
+        pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
+
+
+def _load_json(tmp_path, *args: str, env: dict | None = None) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowmem_hf", "load", *args, "--dtype", "bfloat16", "--json"],
+        env=env or _env(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_a_comparison_starts_both_loads_from_the_same_page_cache(make_checkpoint, tmp_path):
+    # the first load of cold files would warm them for the second: 2.70x instead of 1.04x on a 2 GB checkpoint
+    path = shutil.copytree(make_checkpoint("llama", "sharded"), tmp_path / "llama")  # files nothing else reads
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    _evict(files)
+    alone = _load_json(tmp_path, path)  # one measured load: measured as found, cold
+    assert not alone["warmed_page_cache"] and alone["loads"][0]["page_cache_fraction"] <= 0.5
+    _evict(files)
+    compared = _load_json(tmp_path, path, "--compare-transformers")
+    assert compared["warmed_page_cache"] and compared["page_cache_fraction"] <= 0.5
+    assert [r["page_cache_fraction"] for r in compared["loads"]] == [1.0, 1.0]
+    assert compared["downloaded_files"] == 0
+
+
+def test_a_comparison_from_the_hub_downloads_before_timing(make_checkpoint, hub_server, tmp_path):
+    # the first load would download what the second then finds in the HF cache
+    local = make_checkpoint("llama", "sharded")
+    hub_server.add_repo("org/llama", local)
+    env = hub_server.subprocess_env(tmp_path / "hf_home", base=_env(tmp_path))
+    compared = _load_json(tmp_path, "org/llama", "--compare-transformers", env=env)
+    weights = [f for f in os.listdir(local) if f.endswith(".safetensors")]
+    assert compared["downloaded_files"] == len(weights) >= 2
+    assert [r["page_cache_fraction"] for r in compared["loads"]] == [1.0, 1.0]  # both read the HF cache
+    assert [r["loader"] for r in compared["loads"]] == ["lowmem", "transformers"]
+    again = _load_json(tmp_path, "org/llama", "--compare-transformers", env=env)
+    assert again["downloaded_files"] == 0
 
 
 def test_plan_agrees_with_every_rank_of_a_torchrun_tp_load(mid_llama, capsys, tmp_path):
