@@ -173,7 +173,13 @@ def _local_weight_files(prepared, *, download: bool) -> tuple[list[str], int]:
 
         for name in checkpoint.files:
             if name not in paths:
-                paths[name] = hf_hub_download(checkpoint.repo_id, name, revision=checkpoint.commit)
+                try:
+                    paths[name] = hf_hub_download(checkpoint.repo_id, name, revision=checkpoint.commit)
+                except OSError as error:  # huggingface_hub's HTTP, offline and not-found errors are OSErrors
+                    raise UsageError(
+                        f"downloading {name} of {checkpoint.repo_id} at {checkpoint.commit} before the comparison "
+                        f"failed: {' '.join(str(error).split())}"
+                    ) from None
                 fetched += 1
     return [paths[f] for f in checkpoint.files if f in paths and os.path.isfile(paths[f])], fetched
 
@@ -247,8 +253,8 @@ def _load(args) -> int:
         if None not in caches and abs(caches[0] - caches[1]) > 0.1:
             print(
                 f"{tag}not like for like: the weight files were {caches[0]:.0%} / {caches[1]:.0%} in the page cache "
-                "when each load began (too large to read into memory first); the time ratio compares a cold load "
-                "with a warmer one"
+                "when each load began, so the time ratio compares loads from different cache states"
+                + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
             )
     return 0
 
