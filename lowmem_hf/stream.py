@@ -16,7 +16,6 @@ costs no staging; submodules are still yielded (and assigned) strictly in plan o
 from __future__ import annotations
 
 import collections
-import ctypes
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch
 
 from .formats import Reader, StreamStats
 from .sources import ByteSource
+from .sources.local import _libc
 from .types import ConversionRead, LoadPlan, SubmodulePlan, TensorRead
 
 __all__ = [
@@ -167,17 +167,11 @@ def _trim_heap() -> None:
     the process ended, which the first forward then added to its peak. ``malloc_trim(0)`` (glibc; ~0.5 ms)
     returns it. Neither torch nor Python offers this; elsewhere (no glibc) there is nothing to do.
     """
-    global _malloc_trim
-    if _malloc_trim is False:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim  # this process's own C library
-        except (OSError, TypeError, AttributeError):  # not glibc (musl, macOS), or no C library by that name (Windows)
-            _malloc_trim = None
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-_malloc_trim = False  # not looked up yet
+    try:
+        trim = _libc().malloc_trim  # this process's own C library, as the local reads' madvise/mincore use it
+    except (OSError, TypeError, AttributeError):  # not glibc (musl, macOS), or no C library by that name (Windows)
+        return
+    trim(0)
 
 
 def _read_bytes(sub: SubmodulePlan) -> int:
