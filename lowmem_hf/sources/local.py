@@ -28,7 +28,7 @@ from ..errors import CorruptCheckpointError
 from ..types import file_identity
 from . import ByteSource
 
-__all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "will_need_pages"]
+__all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "trim_heap", "will_need_pages"]
 
 # Linux returns at most this many bytes from one read/preadv call.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
@@ -292,6 +292,22 @@ def _advise(start: int, length: int, advice: int) -> None:
         return
     aligned = start - start % mmap.PAGESIZE
     _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), advice)
+
+
+def trim_heap() -> None:
+    """Give back what the malloc arenas of finished threads hold free (the stream calls it when its readers end).
+
+    glibc gives each thread that allocates its own arena and keeps what is freed there for the next allocation;
+    the reader threads are gone once the stream ends, and nothing allocates from their arenas again. Measured
+    here (2 ranks, 4 reader threads each, the 2 GB fp32 checkpoint as bf16): 4 MB per rank stayed resident until
+    the process ended, which the first forward then added to its peak. ``malloc_trim(0)`` (glibc; ~0.5 ms)
+    returns it. Neither torch nor Python offers this; elsewhere (no glibc) there is nothing to do.
+    """
+    try:
+        trim = _libc().malloc_trim  # this process's own C library, as the local reads' madvise/mincore use it
+    except (OSError, TypeError, AttributeError):  # not glibc (musl, macOS), or no C library by that name (Windows)
+        return
+    trim(0)
 
 
 _LIBC = None
