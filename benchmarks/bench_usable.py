@@ -9,7 +9,8 @@ the machine's noise. Reported: seconds to ``from_pretrained`` return, to the end
 the end of a first in-place write of every parameter, all from one clock; peak RssAnon and VmHWM above the
 post-import baseline (parent-sampled over the whole sequence) / the final model bytes. Cold: ``sync; echo 3 >
 /proc/sys/vm/drop_caches`` before every load (root only; the run says when it cannot and stays warm). Ratios
-are lowmem medians / transformers medians of the same run. One process also runs ``bare`` (``_usable_child.py``):
+are lowmem medians / transformers medians of the same run, and "won" counts the repeats in which lowmem_hf returned
+no later than transformers (the two are close enough warm that one run's medians can land either side). One process also runs ``bare`` (``_usable_child.py``):
 every tensor read and converted into fresh memory with no model at all, what that alone takes on this
 machine; the summary gives both loaders' return times as multiples of it. ``--against REV`` adds a loader
 ``lowmem@REV``: the repository's ``lowmem_hf`` at git revision REV (extracted into the workdir), alternating with
@@ -130,18 +131,21 @@ def main(argv=None) -> int:
                 med = {loader: {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "rss_anon", "vmhwm") if rs[0][k] is not None}
                        for loader, rs in runs.items()}
                 for loader in ours:
-                    rows.append((ranks, case, cache, loader, med[loader], med["transformers"], med.get("bare")))
+                    # the noise check: in how many repeats this loader returned no later than transformers did
+                    won = sum(a["load_seconds"] <= b["load_seconds"] for a, b in zip(runs[loader], runs["transformers"]))
+                    rows.append((ranks, case, cache, loader, med[loader], med["transformers"], med.get("bare"), won))
 
     print(f"\nSummary: medians of {args.repeats}; time ratio = lowmem / transformers in the same run; memory = peak "
           "above baseline / model bytes (per rank, the worst rank); bare = seconds to read and convert every tensor "
-          "with no model (one process only), and each loader's return time as a multiple of it")
+          "with no model (one process only), and each loader's return time as a multiple of it; won = repeats in which "
+          "the loader returned no later than transformers did in the same repeat")
     print(f"{'ranks':>5} {'case':<17} {'cache':<5} {'loader':<15} {'return':>14} {'first forward':>14} "
-          f"{'first write':>14} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9} {'bare':>7} {'ours/bare':>9} {'tf/bare':>7}")
-    for ranks, case, cache, loader, m, tf, bare in rows:
+          f"{'first write':>14} {'won':>5} {'RssAnon':>8} {'VmHWM':>8} {'tf VmHWM':>9} {'bare':>7} {'ours/bare':>9} {'tf/bare':>7}")
+    for ranks, case, cache, loader, m, tf, bare, won in rows:
         cells = "".join(f"{m[s]:>7.2f}s {m[s] / tf[s]:>5.2f}x" for s in STAGES)
         floor = "" if bare is None else (f" {bare['load_seconds']:>6.2f}s {m['load_seconds'] / bare['load_seconds']:>8.2f}x "
                                           f"{tf['load_seconds'] / bare['load_seconds']:>6.2f}x")
-        print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<15} {cells} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
+        print(f"{ranks:>5} {case:<17} {cache:<5} {loader:<15} {cells} {f'{won}/{args.repeats}':>5} {m['rss_anon']:>7.3f}x {m['vmhwm']:>7.3f}x "
               f"{tf['vmhwm']:>8.3f}x{floor}")
     return 0
 
