@@ -13,6 +13,7 @@ from lowmem_hf import load as load_mod
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.errors import CorruptCheckpointError
 from lowmem_hf.formats import StreamStats
+from lowmem_hf.formats.base import byte_view
 from lowmem_hf.formats.torch_pickle import TorchReader
 from lowmem_hf.plan.sharding import chunk_spans
 from lowmem_hf.sources.local import GAP_BYTES, LocalFiles, cached_fraction
@@ -87,9 +88,26 @@ def test_bin_shards_mixing_zip_and_legacy_pickles_load_exactly(make_checkpoint, 
         assert torch.equal(got.state_dict()[name], t), name
 
 
-def _rss_file_kb() -> int:
+def _rss_file_kb(field: str = "RssFile") -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_populate_faults_in_the_untouched_pages_of_a_destination_and_changes_no_byte():
+    # What a same-dtype read does before its preadv: the fresh destination's pages are faulted in with one madvise
+    # instead of one by one inside the kernel's copy. A page not wholly inside the view is left alone.
+    mib = 1024 * 1024
+    t = torch.empty(64 * mib, dtype=torch.uint8)  # over malloc's mmap threshold: fresh, untouched pages
+    t[: 8 * mib].fill_(7)
+    before = _rss_file_kb("RssAnon")
+    files = LocalFiles()
+    files.populate([byte_view(t)[100 : 64 * mib - 100]])
+    grown = _rss_file_kb("RssAnon") - before
+    files.close()
+    assert 54 * 1024 <= grown <= 57 * 1024, grown  # the 56 MiB not touched yet, less the two edge pages
+    assert bool((t[: 8 * mib] == 7).all())
+    files.populate([memoryview(b"read-only" * 100_000)])  # a buffer that cannot be written: nothing to do, no error
 
 
 def test_released_pages_leave_the_resident_set(tmp_path):

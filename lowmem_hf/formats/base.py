@@ -108,7 +108,8 @@ class RangeReader(Reader):
     of them, from any byte source (local files, HTTP ranges, the exchange): safetensors tensors, and the tensors of
     ``torch.save`` zip archives (``torch_pickle``).
 
-    Same dtype on a CPU destination: straight into the destination's memory, no staging at all. Otherwise: through
+    Same dtype on a CPU destination: straight into the destination's memory (``source.populate`` first: a local
+    source faults its fresh pages in before the copy), no staging at all. Otherwise: through
     one reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device),
     converted by ``copy_`` chunk by chunk. Every read is ``read``/``read_runs`` of the source (``preadv`` for local
     files): a file that ends early raises the source's named error, where a mapping of it would kill the process
@@ -153,7 +154,9 @@ class RangeReader(Reader):
             view = byte_view(dst)
 
             def direct(chunk: list[tuple[int, int, int]]) -> None:
-                source.read_runs(info.file, [(view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize) for src, at, n in chunk])
+                parts = [(view[at * itemsize : (at + n) * itemsize], info.offset + src * itemsize) for src, at, n in chunk]
+                source.populate([part for part, _ in parts])
+                source.read_runs(info.file, parts)
 
             return [functools.partial(direct, c) for c in chunks]
 

@@ -18,7 +18,7 @@ __all__ = ["ByteSource"]
 class ByteSource:
     """The protocol every byte source keeps. A default here is what a source without that capability does.
 
-    Readers call ``read``/``read_runs`` (from several threads at once), ``will_need`` and ``release``; the stream
+    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
     calls ``before_submodule``, honours ``read_ahead`` and ``workers``, and calls ``close`` once every read is
     done; the load report reads the counters.
     """
@@ -51,6 +51,10 @@ class ByteSource:
         """Fill each ``(view, offset)`` of ``parts`` (ascending, non-overlapping offsets) from ``file``."""
         for view, offset in parts:
             self.read(file, view, offset)
+
+    def populate(self, views: list[memoryview]) -> None:
+        """The next reads fill ``views`` for the first time (a fresh parameter's memory): fault them in now where that
+        makes this source's reads cheaper."""
 
     def count_gap(self, nbytes: int) -> None:
         """Count ``nbytes`` a reader read between runs and dropped (sources with ``gap_bytes_allowed`` only)."""

@@ -17,6 +17,7 @@ time, as when it was opened.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -42,6 +43,10 @@ _IOV_MAX = 1024
 GAP_BYTES = 32 * 1024
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+# Views smaller than this are not populated first (a dim-1 slice's rows, headers): one more syscall each would
+# cost more than the faults it moves out of the copy.
+_POPULATE_MIN_BYTES = 256 * 1024
 
 
 def cached_fraction(paths: list[str]) -> float | None:
@@ -150,6 +155,12 @@ class LocalFiles(ByteSource):
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
         _pread_exact(self._fd(file), view, offset, file)
+
+    def populate(self, views: list[memoryview]) -> None:
+        """Fault in the whole pages of ``views`` in one ``madvise`` each (``_populate``): ``preadv`` into memory never
+        touched takes each page's first fault inside the kernel's copy, which costs more."""
+        for view in views:
+            _populate(view)
 
     def read_runs(self, file: str, parts: list[tuple[memoryview, int]]) -> None:
         """Fill each ``(view, offset)`` of ``parts`` (ascending, non-overlapping offsets) from ``file``.
@@ -292,6 +303,39 @@ def _advise(start: int, length: int, advice: int) -> None:
         return
     aligned = start - start % mmap.PAGESIZE
     _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), advice)
+
+
+_populate_works = True
+
+
+def _populate(view: memoryview) -> None:
+    """Fault in the whole pages of ``view`` (memory a ``preadv`` is about to fill) with one ``madvise``.
+
+    A read into memory this process has not touched yet (a fresh parameter) takes each page's first fault inside
+    the kernel's copy, one page at a time; ``MADV_POPULATE_WRITE`` takes them all in one call first. Measured on
+    the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), warm, 6 alternating
+    loads each: 0.53 s against 0.60 s (benchmarks/README.md). Not for memory already touched (the staging buffers
+    of a converted load): there it only walks the pages again, 10% slower in the same run. Only pages wholly inside
+    ``view`` are touched, and their contents are not changed. Neither torch nor Python offers it. Where the kernel has no
+    ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
+    """
+    global _populate_works
+    if not _populate_works or len(view) < _POPULATE_MIN_BYTES:
+        return
+    try:
+        libc = _libc()
+    except (OSError, TypeError, AttributeError):  # no C library by that name (Windows)
+        _populate_works = False
+        return
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # a read-only buffer: nothing to populate for writing
+        return
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == errno.EINVAL:  # this kernel has no MADV_POPULATE_WRITE: stop asking
+            _populate_works = False
 
 
 def trim_heap() -> None:
