@@ -83,3 +83,31 @@ def test_a_file_cut_rewritten_or_replaced_mid_load_is_a_named_error_not_a_crash(
         case, reads, outcome = line.split(" ", 2)
         assert int(reads.split("=")[1]) >= 3, line  # start, middle and end are different reads
         assert outcome.startswith("NAMED ") and ("changed while it loaded" in outcome or "the file ended" in outcome), line
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "bin"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_file_another_process_holds_open_for_writing_loads_bit_identically(make_checkpoint, tmp_path, fmt, dtype):
+    # A writer that has the files open (and writes nothing) changes nothing for the reads: no lease is needed
+    # (issue 25 kept preadv), so nothing waits on it or falls back, and the model is transformers' bit for bit.
+    import torch
+    import transformers
+
+    from lowmem_hf.auto import AUTO_CLASSES
+
+    folder = shutil.copytree(make_checkpoint("llama", fmt), tmp_path / "held")
+    weights = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith((".safetensors", ".bin"))]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; files = [open(p, 'r+b') for p in sys.argv[1:]]; print('open', flush=True); sys.stdin.read()", *weights],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        got = AUTO_CLASSES["LowMemAutoModelForCausalLM"].from_pretrained(folder, torch_dtype=getattr(torch, dtype))
+    finally:
+        holder.communicate("", timeout=60)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    expected, loaded = ref.state_dict(), got.state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
