@@ -88,7 +88,7 @@ def test_bin_shards_mixing_zip_and_legacy_pickles_load_exactly(make_checkpoint, 
         assert torch.equal(got.state_dict()[name], t), name
 
 
-def _rss_file_kb(field: str = "RssFile") -> int:
+def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
@@ -100,10 +100,10 @@ def test_populate_faults_in_the_untouched_pages_of_a_destination_and_changes_no_
     mib = 1024 * 1024
     t = torch.empty(64 * mib, dtype=torch.uint8)  # over malloc's mmap threshold: fresh, untouched pages
     t[: 8 * mib].fill_(7)
-    before = _rss_file_kb("RssAnon")
+    before = _status_kb("RssAnon")
     files = LocalFiles()
     files.populate([byte_view(t)[100 : 64 * mib - 100]])
-    grown = _rss_file_kb("RssAnon") - before
+    grown = _status_kb("RssAnon") - before
     files.close()
     assert 54 * 1024 <= grown <= 57 * 1024, grown  # the 56 MiB not touched yet, less the two edge pages
     assert bool((t[: 8 * mib] == 7).all())
@@ -114,12 +114,12 @@ def test_released_pages_leave_the_resident_set(tmp_path):
     path = tmp_path / "big.bin"
     torch.save({"w": torch.arange(16 * 1024 * 1024, dtype=torch.float32)}, path)  # 64 MiB
     t = torch.load(path, mmap=True, weights_only=True)["w"]
-    before = _rss_file_kb()
+    before = _status_kb("RssFile")
     t.sum()  # fault every page in
-    touched = _rss_file_kb()
+    touched = _status_kb("RssFile")
     assert touched - before > 48 * 1024
     _release_pages(t)
-    assert _rss_file_kb() - before < 4 * 1024
+    assert _status_kb("RssFile") - before < 4 * 1024
     assert float(t[-1]) == 16 * 1024 * 1024 - 1  # still readable: dropped pages come back from the file
     assert mmap.PAGESIZE > 0
 

@@ -313,11 +313,12 @@ def _populate(view: memoryview) -> None:
 
     A read into memory this process has not touched yet (a fresh parameter) takes each page's first fault inside
     the kernel's copy, one page at a time; ``MADV_POPULATE_WRITE`` takes them all in one call first. Measured on
-    the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), warm, 6 alternating
-    loads each: 0.53 s against 0.60 s (benchmarks/README.md). Not for memory already touched (the staging buffers
-    of a converted load): there it only walks the pages again, 10% slower in the same run. Only pages wholly inside
-    ``view`` are touched, and their contents are not changed. Neither torch nor Python offers it. Where the kernel has no
-    ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
+    the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), warm
+    (``bench_usable.py --cases fp32_st_to_fp32 --against b14faf7``, benchmarks/README.md): 0.56 s against 0.59 s in
+    one process, 0.68 s against 0.74 s at 2 TP ranks. Not for memory already touched (the staging buffers of a
+    converted load): there it only walks the pages again, and a converted load was 10% slower with it. Only pages
+    wholly inside ``view`` are touched, and their contents are not changed. Neither torch nor Python offers it.
+    Where the kernel has no ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
     """
     global _populate_works
     if not _populate_works or len(view) < _POPULATE_MIN_BYTES:
