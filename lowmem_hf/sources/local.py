@@ -305,7 +305,7 @@ def _advise(start: int, length: int, advice: int) -> None:
     _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length + (start - aligned)), advice)
 
 
-_populate_works = True
+_populate_works: bool | None = None  # None: not asked yet; True: the kernel populated once; False: it cannot
 
 
 def _populate(view: memoryview) -> None:
@@ -321,7 +321,7 @@ def _populate(view: memoryview) -> None:
     Where the kernel has no ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
     """
     global _populate_works
-    if not _populate_works or len(view) < _POPULATE_MIN_BYTES:
+    if _populate_works is False or len(view) < _POPULATE_MIN_BYTES:
         return
     try:
         libc = _libc()
@@ -334,9 +334,14 @@ def _populate(view: memoryview) -> None:
         return
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == errno.EINVAL:  # this kernel has no MADV_POPULATE_WRITE: stop asking
-            _populate_works = False
+    if end <= first:
+        return
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_POPULATE_WRITE) == 0:
+        _populate_works = True
+    elif _populate_works is None and ctypes.get_errno() == errno.EINVAL:
+        _populate_works = False  # the first ask refused: this kernel has no MADV_POPULATE_WRITE, stop asking
+    # Any other failure (memory the kernel will not populate, ENOMEM) leaves the faults to the copy, as before this
+    # hint existed; memory the read cannot fill fails the preadv itself, with its own error.
 
 
 def trim_heap() -> None:
