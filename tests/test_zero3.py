@@ -30,8 +30,17 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
 
 
+# gloo's exit-time abort (client_harness._end_process_group has the cause). The scripts end their group in order,
+# and still a DeepSpeed job aborted once at exit this way in CI: the plain run, without lowmem_hf, after training
+# and after writing its results (newest stack, 2026-11-27).
+_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _run(command: list[str], cwd) -> subprocess.CompletedProcess:
     proc = subprocess.run(command, env=_env(), cwd=cwd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and _GLOO_EXIT_ABORT in proc.stderr and "Signal 6 (SIGABRT)" in proc.stderr:
+        # that abort, and only that, is run again once: plain and switched jobs alike, nothing of it is ours
+        proc = subprocess.run(command, env=_env(), cwd=cwd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
