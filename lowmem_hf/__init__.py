@@ -27,6 +27,7 @@ from .errors import (
     NothingToLoadError,
     OutsideCheckpointError,
     OversizedModelError,
+    UpstreamAPIError,
     RankFailedError,
     RemoteFileChangedError,
     ShapeMismatchError,
@@ -106,5 +107,6 @@ __all__ = [
     "CorruptDownloadError",
     "HubConnectionError",
     "OversizedModelError",
+    "UpstreamAPIError",
     *_AUTO_CLASS_NAMES,
 ]

@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
-    from transformers.models.auto.auto_factory import _get_model_class
 
     import lowmem_hf
     import lowmem_hf.load  # noqa: F401 - the package imports its stages on first use: before the baseline, as before
     from lowmem_hf.assign import model_nbytes
+    from lowmem_hf.compat.transformers_api import model_class_for
 
     auto = getattr(transformers, args.auto_class)
     config = transformers.AutoConfig.from_pretrained(args.model, revision=args.revision)
-    _get_model_class(config, auto._model_mapping)  # imports the model's module before the clock, for both loaders
+    model_class_for(config, auto)  # imports the model's module before the clock, for both loaders
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     tp = {"tp_plan": "auto"} if args.tp_size > 1 else {}
     _say("READY")

@@ -1,7 +1,7 @@
 """Assign: put loaded tensors into the meta skeleton in place, then finish the model as transformers does.
 
 Finishing (tie, non-persistent buffers, missing-weight init, key clean-up) is transformers' own
-``_finalize_model_loading``: the model's ``_init_weights``, tied-weight declarations and RoPE buffer
+finishing step (``compat.transformers_api.finalize_model_loading``): the model's ``_init_weights``, tied-weight declarations and RoPE buffer
 recomputation are its knowledge, and calling the same code in the same order consumes the RNG exactly
 as ``from_pretrained`` does, so even randomly initialized heads come out bit-identical under one seed.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers.distributed.sharding_utils import _dtensor_from_local_like
 from transformers.core_model_loading import SkipParameters
 from transformers.modeling_utils import LoadStateDictConfig
-from transformers.utils.loading_report import LoadStateDictInfo
 
+from .compat import torch_api
+from .compat import transformers_api as hf
 from .errors import IncompleteLoadError, ShapeMismatchError
 from .types import ConversionRead, DtypeDecision, LoadPlan
 from .zero3 import held
@@ -29,32 +29,32 @@ def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     """Replace parameter or buffer ``name`` by ``value``, keeping the Parameter class and ``requires_grad``."""
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
-    if leaf == torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX:
+    if leaf == torch_api.EXTRA_STATE_SUFFIX:
         module.set_extra_state(value)
         return
-    if leaf in module._parameters:
-        ref = module._parameters[leaf]
+    if torch_api.has_parameter_slot(module, leaf):
+        ref = torch_api.parameter_slot(module, leaf)
         cls = type(ref) if ref is not None else torch.nn.Parameter
         if ref is not None and isinstance(ref.data, DTensor):
             # A tensor-parallel parameter: this rank's slice becomes the local shard of a DTensor with the
             # placements transformers gave the meta parameter (a Parameter of a DTensor reports the DTensor class).
-            value = _dtensor_from_local_like(value, ref.data)
+            value = hf.dtensor_from_local_like(value, ref.data)
             cls = torch.nn.Parameter
         requires_grad = ref.requires_grad if ref is not None else value.is_floating_point()
         param = cls(value, requires_grad=requires_grad and (value.is_floating_point() or value.is_complex()))
         # transformers' init pass skips tensors carrying this flag: loaded weights must not be re-initialized
-        param._is_hf_initialized = True
-        module._parameters[leaf] = param
+        hf.mark_initialized(param)
+        torch_api.put_parameter(module, leaf, param)
     else:
-        value._is_hf_initialized = True
-        module._buffers[leaf] = value
+        hf.mark_initialized(value)
+        torch_api.put_buffer(module, leaf, value)
 
 
 def assign_submodule(
     model: torch.nn.Module,
     tensors: dict[str, torch.Tensor],
     staged: list[tuple[ConversionRead, list[torch.Tensor]]],
-    loading_info: LoadStateDictInfo,
+    loading_info: Any,
     *,
     in_place: bool = False,
 ) -> None:
@@ -65,7 +65,7 @@ def assign_submodule(
     """
     for name, value in tensors.items():
         if in_place and _is_partition_of(model, name, value):
-            model.get_parameter(name)._is_hf_initialized = True  # transformers' init pass must not overwrite it
+            hf.mark_initialized(model.get_parameter(name))  # transformers' init pass must not overwrite it
         else:
             set_tensor(model, name, value)
         loading_info.missing_keys.discard(name)
@@ -113,7 +113,7 @@ def _is_partition_of(model: torch.nn.Module, name: str, value: torch.Tensor) -> 
 def finalize(
     model: Any,
     plan: LoadPlan,
-    loading_info: LoadStateDictInfo,
+    loading_info: Any,
     *,
     device: torch.device,
     name_or_path: str,
@@ -128,8 +128,8 @@ def finalize(
         dtype=plan.dtype,
         device_mesh=device_mesh,
     )
-    type(model)._finalize_model_loading(model, config, loading_info)
-    model._weight_conversions = list(plan.weight_conversions)
+    hf.finalize_model_loading(model, config, loading_info)
+    hf.record_weight_conversions(model, plan.weight_conversions)
 
 
 def model_nbytes(model: torch.nn.Module) -> int:

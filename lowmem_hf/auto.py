@@ -11,8 +11,8 @@ import os
 from typing import Any
 
 from transformers.models.auto import modeling_auto
-from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+from .compat.transformers_api import is_auto_class
 from .load import load
 from .request import make_request
 
@@ -122,7 +122,7 @@ def _make_auto_classes() -> dict[str, type]:
     """One ``LowMem<AutoClass>`` per transformers ``AutoModel*`` class, derived from transformers' auto module."""
     classes = {}
     for name, obj in vars(modeling_auto).items():
-        if isinstance(obj, type) and issubclass(obj, _BaseAutoModelClass) and name.startswith("AutoModel"):
+        if is_auto_class(obj) and name.startswith("AutoModel"):
             doc = (
                 f"Drop-in for ``transformers.{name}``: ``from_pretrained`` streams the checkpoint into a meta-built "
                 f"model at ~1.0x memory. See ``LowMemAutoModelBase.from_pretrained``."

@@ -20,13 +20,16 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 from transformers.distributed import DistributedConfig
 
+from .compat.torch_api import strided_split_factor
+from .compat.transformers_api import parameter_plan
 from .errors import UnsupportedArgumentError
 from .types import ShardSpec
 
-__all__ = ["MeshSetup", "check_distributed_config", "set_up_mesh", "local_intervals", "specs_from_placements"]
+__all__ = [
+    "MeshSetup", "check_distributed_config", "set_up_mesh", "local_intervals", "strided_shard_indices", "specs_from_placements",
+]
 
 # The dense mesh transformers builds, outermost first (``initialize_distributed_mesh``).
 _DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
@@ -175,11 +178,10 @@ def local_intervals(
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """This mesh coordinate's index set of every tensor dim, as sorted ``(start, stop)`` runs.
 
-    Applies the placements left to right as DTensor does (``torch.distributed.tensor._utils.
-    _compute_local_shape_and_global_offset``), each ``Shard``/``_StridedShard`` selecting, with torch's own
-    per-placement arithmetic, a subset of the indices the previous mesh dims left; ``Replicate`` keeps all.
-    A ``_StridedShard`` (TP and FSDP sharding the same dim) gives several runs. Row-major order of the
-    indices is the local tensor's order.
+    Applies the placements left to right as DTensor does (torch's ``compute_local_shape_and_global_offset``), each
+    ``Shard`` (torch's public ``Shard.local_shard_size_and_offset``) or strided shard (``strided_shard_indices``)
+    selecting a subset of the indices the previous mesh dims left; ``Replicate`` keeps all. A strided shard (TP and
+    FSDP sharding the same dim) gives several runs. Row-major order of the indices is the local tensor's order.
 
     Raises:
         NotImplementedError: a ``Partial`` placement (never produced for parameters).
@@ -188,19 +190,36 @@ def local_intervals(
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, (Shard, _StridedShard)):
+        split_factor = strided_split_factor(placement)
+        if split_factor is None and not isinstance(placement, Shard):
             raise NotImplementedError(f"placement {placement} on mesh dim {mesh_dim} cannot be read from a checkpoint slice")
         dim = placement.dim % len(shape)
         current = indices[dim]
-        if isinstance(placement, _StridedShard):
-            _, picked = placement._local_shard_size_and_offset(
-                len(current), mesh_shape[mesh_dim], coordinate[mesh_dim], offset_mode=_StridedShardOffsetMode.ALL
-            )
+        if split_factor is not None:
+            picked = strided_shard_indices(len(current), split_factor, mesh_shape[mesh_dim], coordinate[mesh_dim])
             indices[dim] = [current[i] for i in picked]
         else:
             size, offset = Shard.local_shard_size_and_offset(len(current), mesh_shape[mesh_dim], coordinate[mesh_dim])
             indices[dim] = current[offset : offset + size]
     return tuple(_runs(ix) for ix in indices)
+
+
+def strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: int) -> list[int]:
+    """The indices of a dim of ``size`` that a strided shard gives mesh coordinate ``rank`` of ``num_chunks``.
+
+    torch's right-to-left sharding (``_StridedShard``): the dim is cut into ``split_factor`` pieces (the shards an
+    inner mesh dim, TP, already made), each piece into ``num_chunks``, and ``rank`` takes its chunk of every piece.
+    Both cuts are ``torch.chunk``'s: pieces of ``ceil(n / parts)``, the last ones shorter or empty. Computed here
+    because the method torch offers for it is private and changed signature between releases (torch 2.13 added an
+    offset-mode argument 2.11 lacks); tests/test_mesh.py checks it against torch's own where one is installed.
+    """
+    picked: list[int] = []
+    piece = -(-size // split_factor)
+    for p in range(split_factor):
+        start, stop = min(piece * p, size), min(piece * (p + 1), size)
+        chunk = -(-(stop - start) // num_chunks)
+        picked.extend(range(start + min(chunk * rank, stop - start), start + min(chunk * (rank + 1), stop - start)))
+    return picked
 
 
 def _runs(ix: Any) -> tuple[tuple[int, int], ...]:
@@ -225,8 +244,6 @@ def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | N
         ValueError: a dim the ``tp`` mesh dim does not divide (transformers' TP forward needs equal shards).
         RuntimeError: the derived local shape differs from the DTensor's (a lowmem_hf bug: nothing is read then).
     """
-    from transformers.distributed.parallel_utils import _get_parameter_plan
-
     tp_plan = tp_plan or {}
     specs = {}
     for name, param in model.named_parameters():
@@ -245,17 +262,17 @@ def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | N
             )
         intervals = local_intervals(shape, placements, tuple(mesh.shape), coordinate)
         local = tuple(sum(b - a for a, b in runs) for runs in intervals)
-        if local != tuple(tensor._local_tensor.shape):
+        if local != tuple(tensor.to_local().shape):
             raise RuntimeError(
                 f"{name}: placements {placements} on mesh {tuple(mesh.shape)} at {coordinate} give local shape "
-                f"{list(tensor._local_tensor.shape)}, lowmem_hf derived {list(local)}. This is a lowmem_hf bug; please report it."
+                f"{list(tensor.to_local().shape)}, lowmem_hf derived {list(local)}. This is a lowmem_hf bug; please report it."
             )
         if local == shape:
             continue  # replicated on every mesh dim: read whole
         dim = next(d for d, runs in enumerate(intervals) if runs != ((0, shape[d]),))
         runs = intervals[dim]
         tp_size, tp_rank = (int(mesh.shape[tp]), int(coordinate[tp])) if tp is not None else (1, 0)
-        style = (_get_parameter_plan(name, tp_plan) if tp is not None else None) or str(placements)
+        style = (parameter_plan(name, tp_plan) if tp is not None else None) or str(placements)
         specs[name] = ShardSpec(
             style, dim, runs[0][0] if runs else 0, runs[-1][1] if runs else 0, tp_rank, tp_size, intervals=intervals
         )

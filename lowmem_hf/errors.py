@@ -24,6 +24,7 @@ __all__ = [
     "CorruptDownloadError",
     "HubConnectionError",
     "OversizedModelError",
+    "UpstreamAPIError",
 ]
 
 
@@ -107,3 +108,23 @@ class HubConnectionError(LowMemError, ConnectionError):
 class OversizedModelError(LowMemError, ValueError):
     """The config builds a model vastly larger than the checkpoint (a size such as ``num_hidden_layers`` is off):
     refused while the model is built on ``meta``, where building it would take unbounded time and memory."""
+
+
+class UpstreamAPIError(LowMemError, NotImplementedError):
+    """A feature needs a name that the installed torch, transformers or DeepSpeed release does not have.
+
+    Raised where the feature is used, never at import: ``lowmem_hf.compat`` looks each such name up on demand.
+    ``feature``, ``needs``, ``found`` and ``fix`` are the message's parts.
+    """
+
+    def __init__(self, feature: str, *, needs: str, found: str, fix: str):
+        super().__init__(f"{feature} needs {needs}, which {found} does not have. Fix: {fix}.")
+        self.feature, self.needs, self.found, self.fix = feature, needs, found, fix
+
+    def __reduce__(self):
+        # errors cross ranks and child processes pickled; the keyword-only constructor needs its fields back
+        return _rebuild_upstream_api_error, (self.feature, self.needs, self.found, self.fix)
+
+
+def _rebuild_upstream_api_error(feature: str, needs: str, found: str, fix: str) -> UpstreamAPIError:
+    return UpstreamAPIError(feature, needs=needs, found=found, fix=fix)

@@ -30,14 +30,13 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
-from transformers.modeling_utils import _get_dtype
-from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.utils import CONFIG_NAME
 from transformers.utils.import_utils import is_env_variable_true
-from transformers.utils.loading_report import LoadStateDictInfo
 
 from . import assign as _assign
 from . import zero3 as _zero3
+from .compat import transformers_api as hf
+from .compat.deepspeed_api import partition_without_broadcast
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -148,9 +147,9 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     zero3 = _zero3.zero3_enabled()
     _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
     if request.attn_implementation is not None:
-        config._attn_implementation = request.attn_implementation
+        hf.set_attn_implementation(config, request.attn_implementation)
     if request.experts_implementation is not None:
-        config._experts_implementation = request.experts_implementation
+        hf.set_experts_implementation(config, request.experts_implementation)
 
     # 1. resolve: which files, which tensors, where (headers only)
     checkpoint = _resolve_checkpoint(request, config, is_hub)
@@ -158,7 +157,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     config.name_or_path = request.name_or_path
 
     # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
-    with _zero3.partitions_without_broadcast() if zero3 else contextlib.nullcontext():
+    with partition_without_broadcast() if zero3 else contextlib.nullcontext():
         model = _build(request, model_class, config, main_dtype, model_kwargs, checkpoint)
 
     # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
@@ -222,13 +221,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
 
     # 5. stream submodule by submodule, assigning each before reading the next
-    loading_info = LoadStateDictInfo(
-        missing_keys=set(model.state_dict()),
-        unexpected_keys=set(plan.unexpected_keys),
-        mismatched_keys=set(plan.mismatched_keys),
-        error_msgs=[],
-        conversion_errors={},
-        skipped_pp_keys=set(),
+    loading_info = hf.new_loading_info(
+        missing_keys=set(model.state_dict()), unexpected_keys=set(plan.unexpected_keys), mismatched_keys=set(plan.mismatched_keys)
     )
     # "fetching" for bytes over the network; DCP loads have always said it too (a slip this refactor keeps)
     bar = byte_bar(
@@ -257,7 +251,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     # 6. finish as transformers does, then prove it
     _assign.finalize(
         model, plan, loading_info, device=request.device, name_or_path=request.name_or_path,
-        ignore_mismatched_sizes=request.ignore_mismatched_sizes, device_mesh=getattr(model, "_device_mesh", None),
+        ignore_mismatched_sizes=request.ignore_mismatched_sizes, device_mesh=hf.device_mesh_of(model),
     )
     _assign.apply_missing_overrides(model, prepared.policy, loading_info.missing_keys)
     model.eval()
@@ -360,7 +354,7 @@ def _resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Chec
 
 
 def _decide_dtype(request: LoadRequest, config: Any, checkpoint: Checkpoint) -> tuple[Any, torch.dtype]:
-    """transformers' own ``_get_dtype``: the declared dtype (``"auto"``: config, else the first file's tensors).
+    """transformers' own dtype decision: the declared dtype (``"auto"``: config, else the first file's tensors).
 
     Raises:
         ValueError: ``"auto"`` chose a dtype transformers cannot build a model in (a float8 checkpoint whose
@@ -388,11 +382,11 @@ def _get_dtype_as_transformers(request: LoadRequest, config: Any, checkpoint: Ch
     sharded_metadata = dict(checkpoint.index_metadata) if checkpoint.index_metadata is not None else None
     local_files = [checkpoint.local_paths.get(f, f) for f in checkpoint.files]
     if checkpoint.format != CheckpointFormat.DCP and all(os.path.isfile(f) for f in local_files):
-        return _get_dtype(request.dtype, local_files, config, sharded_metadata, None, request.weights_only)
+        return hf.decide_dtype(request.dtype, local_files, config, sharded_metadata, None, request.weights_only)
     # transformers infers "auto" from the first file's tensors; the remote headers already say what they are
     first = [i for i in checkpoint.tensors.values() if i.file == checkpoint.files[0]]
     meta_state = {i.key: torch.empty(0, dtype=i.dtype, device="meta") for i in first}
-    return _get_dtype(request.dtype, None, config, sharded_metadata, meta_state, request.weights_only)
+    return hf.decide_dtype(request.dtype, None, config, sharded_metadata, meta_state, request.weights_only)
 
 
 def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str, Any]]:
@@ -404,7 +398,7 @@ def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str
     target, path, config = request.target, request.name_or_path, request.config
     hub = request.hub.as_kwargs()
     overrides = dict(request.config_overrides)
-    if not (isinstance(target, type) and issubclass(target, _BaseAutoModelClass)):
+    if not hf.is_auto_class(target):
         if not isinstance(config, PreTrainedConfig):
             if target.config_class is None:
                 raise ValueError(f"{target.__name__} does not define `config_class`; pass an explicit config.")
@@ -435,7 +429,7 @@ def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str
 
     trust_remote_code = request.trust_remote_code
     has_remote_code = hasattr(config, "auto_map") and target.__name__ in config.auto_map
-    has_local_code = type(config) in target._model_mapping
+    has_local_code = type(config) in hf.auto_model_mapping(target)
     if has_remote_code:
         class_ref = config.auto_map[target.__name__]
         upstream = class_ref.split("--")[0] if "--" in class_ref else None
@@ -445,14 +439,14 @@ def _resolve_class_and_config(request: LoadRequest) -> tuple[type, Any, dict[str
     if has_remote_code and trust_remote_code:
         model_class = get_class_from_dynamic_module(class_ref, path, code_revision=request.code_revision, **hub)
     elif has_local_code:
-        model_class = _get_model_class(config, target._model_mapping)
+        model_class = hf.model_class_for(config, target)
         text_config_class = config.sub_configs.get("text_config", None)
         if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
             config = config.get_text_config()
     else:
         raise ValueError(
             f"{type(config).__name__} (model_type={config.model_type!r}) has no model for {target.__name__}. "
-            f"Its model types are: {', '.join(sorted(c.model_type for c in target._model_mapping.keys() if hasattr(c, 'model_type')))}."
+            f"Its model types are: {', '.join(sorted(c.model_type for c in hf.auto_model_mapping(target).keys() if hasattr(c, 'model_type')))}."
         )
     return model_class, config, model_kwargs
 

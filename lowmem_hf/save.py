@@ -44,6 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .compat.torch_api import hf_rank_shard
+from .compat.transformers_api import keys_to_ignore_on_save
+from .distributed import local_intervals
 from .plan.dtypes import check_float_dtype, parse_dtype
 from .plan.sharding import box_runs
 
@@ -185,7 +188,7 @@ def _entries(model: Any, out_dtype: torch.dtype | None) -> list[_Entry]:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     state = model.state_dict()
-    for key in model._keys_to_ignore_on_save or ():
+    for key in keys_to_ignore_on_save(model):
         state.pop(key, None)
     # transformers' own choice of which tied name stays (it compares storages, never reads data)
     state = remove_tied_weights_from_state_dict(state, model)
@@ -679,29 +682,21 @@ def _local_part(entry: _Entry, rank: int) -> tuple[torch.Tensor | None, tuple[in
     ndim = len(entry.shape)
     if not isinstance(t, DTensor):
         return (t if rank == 0 else None), (0,) * ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     t = _as_shard(t)
     if isinstance(t.placements[0], Replicate):
         return (t.to_local() if t.device_mesh.get_local_rank() == 0 else None), (0,) * ndim
-    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), tuple(int(o) for o in offsets)
+    intervals = local_intervals(tuple(t.shape), t.placements, tuple(t.device_mesh.shape), t.device_mesh.get_coordinate())
+    return t.to_local(), tuple(runs[0][0] if runs else 0 for runs in intervals)
 
 
 def _save_sharded(model: Any, directory: str, entries: list[_Entry], group, rank: int, staging: _Staging) -> None:
-    from torch.distributed.checkpoint._hf_utils import (
-        CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name,
-    )
-
     parts = []
     for entry in entries:
         local, offsets = _local_part(entry, rank)
         if local is not None:
             parts.append((entry, local, offsets))
     if parts:
-        name = _gen_file_name(1, 1, rank + 1)
-        info = {e.name: {SAVED_OFFSETS_KEY: list(off)} for e, _, off in parts}
-        metadata = {CUSTOM_METADATA_KEY: json.dumps(info), DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
+        name, metadata = hf_rank_shard(rank, {e.name: list(off) for e, _, off in parts})
         header = _header([(e.name, e.dtype, tuple(local.shape)) for e, local, _ in parts], metadata)
         size = len(header) + sum(e.dtype.itemsize * local.numel() for e, local, _ in parts)
         fd = staging.create(name, size)

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 from transformers.distributed import DistributedConfig
 
+from .compat.transformers_api import resolve_parallel_plans
 from .distributed import set_up_mesh, specs_from_placements
 from .plan.sharding import check_head_divisibility, shard_specs
 from .types import ShardSpec
@@ -124,7 +125,7 @@ def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], d
     config = request.distributed_config or DistributedConfig(
         tp_size=request.tp_size, tp_plan=dict(request.plan) if isinstance(request.plan, Mapping) else request.plan
     )
-    resolved, _, _ = model._resolve_parallel_plans(config)
+    resolved = resolve_parallel_plans(model, config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     specs = shard_specs(shapes, resolved, tp_rank=request.tp_rank, tp_size=request.tp_size)
     check_head_divisibility(model.config, specs, request.tp_size)

@@ -1,4 +1,5 @@
-"""The package's boundaries: no import circle, and no private name used outside the module that defines it.
+"""The package's boundaries: no import circle, no private name used outside the module that defines it, and no
+private name of an upstream library (torch, transformers, huggingface_hub, DeepSpeed...) outside ``compat/``.
 
 Read from the source with ``ast`` (nothing is imported), counting every import, including the ones inside
 functions: a deferred import is still a dependency, and a circle of deferred imports is still a circle.
@@ -102,12 +103,77 @@ def private_uses(root: Path) -> list[str]:
     return found
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own_names(trees: dict[Path, ast.AST]) -> set[str]:
+    """Names the package defines itself: functions, classes, arguments, module and class level names, and attributes
+    it sets on ``self``/``cls``. A private attribute outside this set belongs to an upstream object."""
+    own = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.alias) and node.asname:
+                own.add(node.asname)
+            elif (
+                isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                own.add(node.attr)
+    return own
+
+
+def upstream_private_uses(root: Path, allowed: str = "compat") -> list[str]:
+    """``file:line: what`` for every upstream private name used outside ``root/allowed/``: an import of a private
+    name or from a private module (``from torch.x._y import z``), an attribute the package does not define itself
+    (``model._get_dtype_plan``, ``dist.distributed_c10d._get_default_store``), or such a name as a string given to
+    ``getattr``/``hasattr``/``setattr``."""
+    paths = {path: ast.parse(path.read_text(), str(path)) for path in sorted(root.rglob("*.py"))}
+    own = _own_names(paths)
+    found = []
+    for path, tree in paths.items():
+        rel = path.relative_to(root.parent)
+        if rel.parts[1] == allowed:
+            continue
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [a.name for a in node.names if _is_private(a.name)]
+                if any(_is_private(p) for p in (node.module or "").split(".")) or names:
+                    what = f"from {node.module} import {', '.join(a.name for a in node.names)}"
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if any(_is_private(p) for p in a.name.split("."))]
+                what = f"import {', '.join(names)}" if names else None
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+                what = ast.unparse(node)
+            elif (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and _is_private(node.args[1].value) and node.args[1].value not in own
+            ):
+                what = ast.unparse(node)
+            if what is not None:
+                found.append(f"{rel}:{node.lineno}: {what}")
+    return found
+
+
 def test_the_package_has_no_import_circle():
     assert circles(import_graph(PACKAGE), set()) == []
 
 
 def test_no_private_name_is_used_across_modules():
     assert private_uses(PACKAGE) == []
+
+
+def test_upstream_private_names_are_used_only_in_compat():
+    assert upstream_private_uses(PACKAGE) == []
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -152,3 +218,28 @@ def test_public_names_dunders_and_own_privates_are_fine(tmp_path):
     }
     root = _package(tmp_path, files)
     assert private_uses(root) == [] and circles(import_graph(root)) == []
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("from torch.distributed.tensor.placement_types import _StridedShard\n", "import _StridedShard"),
+        ("from torch.distributed.checkpoint._hf_utils import X\n", "from torch.distributed.checkpoint._hf_utils"),
+        ("import torch.distributed.tensor._utils\n", "import torch.distributed.tensor._utils"),
+        ("import torch.distributed as dist\ndist.distributed_c10d._get_default_store()\n", "_get_default_store"),
+        ("def f(model):\n    return model._get_dtype_plan(1)\n", "model._get_dtype_plan"),
+        ("def f(config):\n    config._attn_implementation = 'sdpa'\n", "config._attn_implementation"),
+        ("def f(model):\n    return getattr(model, '_device_mesh', None)\n", "getattr(model, '_device_mesh', None)"),
+    ],
+    ids=["private-name", "private-module", "import-private-module", "module-attribute", "method", "assignment", "getattr"],
+)
+def test_an_upstream_private_name_outside_compat_is_found(tmp_path, source, expected):
+    root = _package(tmp_path, {"a.py": source, "compat/__init__.py": source})
+    found = upstream_private_uses(root)
+    assert len(found) == 1 and found[0].startswith("pkg/a.py:") and expected in found[0], found
+
+
+def test_own_private_attributes_are_not_upstream_names(tmp_path):
+    source = "class A:\n    def __init__(self):\n        self._x = 1\n    def _f(self):\n        return self._x\n"
+    root = _package(tmp_path, {"a.py": source + "def g(a):\n    return a._f(), a._x, getattr(a, '_x')\n"})
+    assert upstream_private_uses(root) == []

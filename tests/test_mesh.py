@@ -22,7 +22,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from transformers.distributed import DistributedConfig
 
 import lowmem_hf
-from lowmem_hf.distributed import local_intervals
+from lowmem_hf.distributed import local_intervals, strided_shard_indices
 from lowmem_hf.plan.sharding import interval_runs, slice_tensor
 from lowmem_hf.types import ShardSpec
 
@@ -93,6 +93,24 @@ def test_local_intervals_match_torch_and_partition_the_tensor(shape, mesh_shape,
     for n, p in zip(mesh_shape, placements):
         replicas *= n if isinstance(p, Replicate) else 1
     assert torch.all(seen == replicas)
+
+
+def _chunk(t, n, i):
+    chunks = t.chunk(n) if len(t) else ()
+    return chunks[i] if i < len(chunks) else t[:0]
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 8, 13, 24])
+@pytest.mark.parametrize("split_factor,num_chunks", [(1, 2), (2, 2), (3, 2), (2, 3), (4, 4)])
+def test_a_strided_shard_is_each_rank_s_chunk_of_every_piece_as_torch_cuts_it(size, split_factor, num_chunks):
+    ix = torch.arange(size)
+    for rank in range(num_chunks):
+        want = [int(i) for p in range(split_factor) for i in _chunk(_chunk(ix, split_factor, p), num_chunks, rank)]
+        assert strided_shard_indices(size, split_factor, num_chunks, rank) == want
+        offset_mode = getattr(sys.modules["torch.distributed.tensor.placement_types"], "_StridedShardOffsetMode", None)
+        if offset_mode is not None:  # torch's own arithmetic, where this release exposes the index list (2.13+)
+            _, theirs = _StridedShard(0, split_factor=split_factor).local_shard_size_and_offset(size, num_chunks, rank, offset_mode.ALL)
+            assert list(theirs) == want
 
 
 def test_adjacent_runs_merge_into_one_read():

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from transformers.core_model_loading import build_glob_alternation
 
+from ..compat.transformers_api import dtype_plan
 from ..types import DtypeDecision
 
 __all__ = [
@@ -117,7 +118,7 @@ def parse_overrides(overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | N
 
 def _fp32_matcher(model: Any, reference: torch.dtype):
     """transformers' keep-in-fp32 regex for a model at ``reference`` dtype (``None`` when no rule applies)."""
-    plan = model._get_dtype_plan(reference)
+    plan = dtype_plan(model, reference)
     if not plan:
         return None
     alternation, _, _ = build_glob_alternation(list(plan))

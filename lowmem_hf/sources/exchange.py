@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..compat.torch_api import default_store
 from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
 from ..plan.sharding import element_runs
 from ..types import LoadPlan, RemoteFile
@@ -426,7 +427,7 @@ class WaveStatuses:
 
     def __init__(self, *, timeout_s: float):
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = default_store()
         self._timeout_s = timeout_s
         tag = [f"lowmem_hf/exchange/{time.time_ns()}"]
         dist.broadcast_object_list(tag, src=0)
