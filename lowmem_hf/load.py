@@ -221,8 +221,11 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
 
     # 5. stream submodule by submodule, assigning each before reading the next
+    # as in transformers, a mismatched key is not also missing: it was found, then set aside (and is initialized)
+    mismatched = {name for name, _, _ in plan.mismatched_keys}
     loading_info = hf.new_loading_info(
-        missing_keys=set(model.state_dict()), unexpected_keys=set(plan.unexpected_keys), mismatched_keys=set(plan.mismatched_keys)
+        missing_keys=set(model.state_dict()) - mismatched, unexpected_keys=set(plan.unexpected_keys),
+        mismatched_keys=set(plan.mismatched_keys),
     )
     # "fetching" for bytes over the network; DCP loads have always said it too (a slip this refactor keeps)
     bar = byte_bar(
@@ -253,7 +256,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         model, plan, loading_info, device=request.device, name_or_path=request.name_or_path,
         ignore_mismatched_sizes=request.ignore_mismatched_sizes, device_mesh=hf.device_mesh_of(model),
     )
-    _assign.apply_missing_overrides(model, prepared.policy, loading_info.missing_keys)
+    _assign.apply_missing_overrides(model, prepared.policy, loading_info.missing_keys | mismatched)
     model.eval()
     model.set_use_kernels(False, None)
     generation_source = _generation_config_source(request, checkpoint)

@@ -8,12 +8,14 @@ Unchanged scripts get the same through ``lowmem-hf run SCRIPT ARGS`` (``runner.p
 is the product here (STYLE.md, convention 7), so it is explicit, reversible and tested: the originals are kept
 as they were found on the classes and ``unpatch_transformers()`` puts exactly those objects back.
 
-What is patched: ``from_pretrained`` of ``_BaseAutoModelClass`` and of every ``AutoModel*`` class (transformers
+What is patched: ``from_pretrained`` of the auto classes' base class and of every ``AutoModel*`` class (transformers
 gives each auto class its own copy of the method) and
 ``PreTrainedModel.from_pretrained`` (every concrete model class, including subclasses a user wrote, unless
 they override ``from_pretrained`` without calling ``super()``). A call lowmem_hf cannot honour (an argument it
 does not implement, such as ``quantization_config`` or ``device_map="auto"``, or a quantized checkpoint) goes to
-transformers' own loader, with one warning naming the argument: behaviour never changes silently.
+transformers' own loader, with one warning naming the argument: behaviour never changes silently. So does a call
+the direct API refuses on purpose where transformers loads (a checkpoint none of whose tensors fits the model:
+transformers returns it fully initialized, every key reported missing).
 """
 
 from __future__ import annotations
@@ -22,13 +24,9 @@ import threading
 import warnings
 from typing import Any
 
-from .errors import UnsupportedArgumentError
+from .errors import NothingToLoadError, UnsupportedArgumentError
 
 __all__ = ["patch_transformers", "unpatch_transformers", "is_patched", "FallbackWarning"]
-
-# transformers' internal telemetry flags, set by its own callers (auto classes, pipelines); they change nothing
-# about what is loaded, so the switch drops them rather than refusing the call.
-_TELEMETRY_KWARGS = ("_from_auto", "_from_pipeline")
 
 _originals: dict[type, Any] = {}
 # Set while a call is inside lowmem_hf or inside transformers' loader on a fallback: transformers' auto classes
@@ -78,9 +76,10 @@ def _classes_to_patch() -> list[type]:
     # lowmem_hf/__init__.py), and is_patched / unpatch_transformers need none of transformers' modeling code.
     import transformers.models.auto.modeling_auto  # noqa: F401  (creates the AutoModel* classes the switch patches)
     from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
-    found, todo = [PreTrainedModel, _BaseAutoModelClass], [_BaseAutoModelClass]
+    from .compat.transformers_api import auto_model_base
+
+    found, todo = [PreTrainedModel, auto_model_base()], [auto_model_base()]
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
@@ -118,21 +117,35 @@ def _switched_from_pretrained(cls, pretrained_model_name_or_path, *model_args, *
 
 
 def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
+    from .compat.transformers_api import TELEMETRY_KWARGS
     from .load import execute, prepare  # on the first switched call; transformers' modeling code is loaded by then
     from .request import make_request
 
-    ours = {k: v for k, v in kwargs.items() if k not in _TELEMETRY_KWARGS}
+    # transformers' own callers add these; they change nothing about what is loaded, so the switch drops them
+    ours = {k: v for k, v in kwargs.items() if k not in TELEMETRY_KWARGS}
     try:
         prepared = prepare(make_request(cls, path, *model_args, **ours))
     except UnsupportedArgumentError as unsupported:
-        warnings.warn(
-            f"lowmem_hf: {cls.__name__}.from_pretrained({str(path)!r}) uses {unsupported.argument!r}, which "
-            f"lowmem_hf does not implement ({unsupported}); loading with transformers' own from_pretrained instead.",
-            FallbackWarning,
-            stacklevel=4,
-        )
-        return _original_for(cls)(path, *model_args, **kwargs)
+        reason = f"uses {unsupported.argument!r}, which lowmem_hf does not implement ({unsupported})"
+        return _fall_back(cls, path, model_args, kwargs, reason)
+    except NothingToLoadError as nothing:
+        # The direct API refuses a checkpoint none of whose tensors fits (almost always a wrong path or class);
+        # transformers returns a fully initialized model and reports every key missing, and its own tests and
+        # scripts rely on that. With nothing to read, lowmem_hf would save nothing: its loader gives the same model.
+        reason = f"loads none of the checkpoint's tensors ({nothing})"
+        return _fall_back(cls, path, model_args, kwargs, reason)
     model, report = execute(prepared)  # logs the load (logs.log_load)
     if not prepared.request.output_loading_info:
         return model
     return model, report.to_dict()  # transformers' contract: LoadStateDictInfo.to_dict()
+
+
+def _fall_back(cls, path, model_args: tuple, kwargs: dict, reason: str):
+    """transformers' own ``from_pretrained`` for the call, after one ``FallbackWarning`` saying why."""
+    warnings.warn(
+        f"lowmem_hf: {cls.__name__}.from_pretrained({str(path)!r}) {reason}; loading with transformers' own "
+        "from_pretrained instead.",
+        FallbackWarning,
+        stacklevel=5,
+    )
+    return _original_for(cls)(path, *model_args, **kwargs)

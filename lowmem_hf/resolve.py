@@ -67,11 +67,18 @@ def inside_folder(entry: str, folder: str, *, what: str, base: str | None = None
 
 
 def cache_roots(folder: str) -> tuple[str, ...]:
-    """Where a folder inside the HF cache may also resolve to: ``.../models--org--name/snapshots/<rev>/...``
-    holds symlinks into ``.../models--org--name/blobs`` (which may link on into the cache's shared blob store,
-    ``<cache>/blobs``). Empty for a folder that is not a cache snapshot."""
+    """Where a folder laid out as an HF cache snapshot may also resolve to.
+
+    ``.../models--org--name/snapshots/<rev>/...`` holds symlinks into ``.../models--org--name/blobs`` (which may link
+    on into the cache's shared blob store, ``<cache>/blobs``). A snapshot folder kept beside its own ``blobs`` folder
+    (``<repo>/<snapshot>/file -> <repo>/blobs/...``, the same layout one level flatter, as tools that copy a cache
+    repo write it) resolves there too: transformers loads both, and only a ``blobs`` folder next to the checkpoint
+    folder is accepted, nothing else outside it."""
     roots = []
     for candidate in dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder))):
+        sibling = os.path.join(os.path.dirname(candidate), "blobs")
+        if os.path.isdir(sibling):
+            roots.append(sibling)
         parts = candidate.split(os.sep)
         for i in range(len(parts) - 2, 0, -1):
             if parts[i] == "snapshots" and _CACHE_REPO_FOLDER.fullmatch(parts[i - 1]):

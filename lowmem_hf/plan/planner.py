@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+
 from ..errors import ShapeMismatchError, UnsupportedConversionError
 from ..types import Checkpoint, ConversionRead, DtypeDecision, LoadPlan, ShardSpec, SubmodulePlan, TensorRead
 from .dtypes import DtypePolicy
@@ -51,7 +53,8 @@ def make_plan(
         info = checkpoint.tensors[key]
         ref = model_tensors[target]
         if global_shape(ref) != info.shape:
-            mismatched.append((target, info.shape, global_shape(ref)))
+            # shapes as transformers' loading info gives them (torch.Size), which scripts compare against
+            mismatched.append((target, torch.Size(info.shape), torch.Size(global_shape(ref))))
             continue
         decision = policy.decide(target, stored=info.dtype, module=ref.dtype)
         reads.append(TensorRead(target, info, decision, shards.get(target)))
