@@ -3,7 +3,7 @@
 import importlib.metadata
 import sys
 
-PACKAGES = ("torch", "transformers", "huggingface-hub", "safetensors", "accelerate", "trl", "peft", "datasets")
+PACKAGES = ("torch", "transformers", "huggingface-hub", "safetensors", "accelerate", "trl", "peft", "datasets", "deepspeed")
 
 
 def main() -> None:

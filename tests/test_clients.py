@@ -18,6 +18,8 @@ import pytest
 import torch
 import transformers
 
+from clients import require_client
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 RESULT_PREFIX = "CLIENT_RESULT "  # client_harness.RESULT_PREFIX
@@ -157,6 +159,7 @@ def _run_clm_args(model: str, *extra: str) -> list[str]:
 
 
 def test_run_clm_trains_bit_identically_under_the_switch(tiny_lm, tmp_path):
+    require_client("datasets")
     plain, switched, output = run_both("run_clm_like.py", _run_clm_args(tiny_lm), tmp_path)
     assert_lowmem_served_every_load(plain, switched, output, loads=1)
     assert len(plain[0]["losses"]) == 5
@@ -164,6 +167,7 @@ def test_run_clm_trains_bit_identically_under_the_switch(tiny_lm, tmp_path):
 
 
 def test_run_clm_under_torchrun_ddp_trains_bit_identically_under_the_switch(tiny_lm, tmp_path):
+    require_client("datasets")
     args = _run_clm_args(tiny_lm, "--ddp_backend", "gloo", "--dtype", "bfloat16")
     plain, switched, output = run_both("run_clm_like.py", args, tmp_path, nproc=2)
     assert_lowmem_served_every_load(plain, switched, output, loads=1)
@@ -173,6 +177,7 @@ def test_run_clm_under_torchrun_ddp_trains_bit_identically_under_the_switch(tiny
 
 
 def test_run_clm_under_torchrun_from_the_hub_trains_bit_identically_under_the_switch(tiny_lm, hub_server, tmp_path):
+    require_client("datasets")
     # run_clm's `revision="main"` from a Hub repo: under the switch every rank pins the same commit (rank 0's)
     commit = hub_server.add_repo("org/tiny", tiny_lm)
     hub_server.reset_counters()
@@ -186,6 +191,7 @@ def test_run_clm_under_torchrun_from_the_hub_trains_bit_identically_under_the_sw
 
 
 def test_trl_sft_trainer_loading_from_a_path_trains_bit_identically(tiny_lm, tmp_path):
+    require_client("trl")
     plain, switched, output = run_both("sft_trl.py", ["--model", tiny_lm, "--output-dir", "out"], tmp_path)
     assert_lowmem_served_every_load(plain, switched, output, loads=1)
     assert len(plain[0]["losses"]) == 4
@@ -193,6 +199,7 @@ def test_trl_sft_trainer_loading_from_a_path_trains_bit_identically(tiny_lm, tmp
 
 
 def test_peft_lora_trains_saves_and_reloads_bit_identically(tiny_lm, tmp_path):
+    require_client("peft")
     plain, switched, output = run_both("peft_lora.py", ["--base", tiny_lm, "--adapter-dir", "adapter"], tmp_path)
     # the base for training, AutoPeftModelForCausalLM's base, and the base handed to PeftModel.from_pretrained
     assert_lowmem_served_every_load(plain, switched, output, loads=3)

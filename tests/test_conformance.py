@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import lowmem_hf
 from lowmem_hf.patch import FallbackWarning
 from lowmem_hf.request import transformers_defaults
+from clients import require_client
 from test_equivalence import assert_same_model
 
 
@@ -85,7 +86,7 @@ def test_defaults_are_read_from_transformers_own_from_pretrained():
 
 
 def test_a_folder_holding_a_peft_adapter_is_handed_to_transformers(make_checkpoint, tmp_path):
-    peft = pytest.importorskip("peft")
+    peft = require_client("peft")
     base = make_checkpoint("llama", "safetensors")
     folder = tmp_path / "with-adapter"
     shutil.copytree(base, folder)

@@ -14,7 +14,9 @@ import sys
 import pytest
 from safetensors import safe_open
 
-pytest.importorskip("deepspeed")
+from clients import require_client
+
+require_client("deepspeed")
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")

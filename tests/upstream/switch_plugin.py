@@ -10,9 +10,9 @@ Per test (setup, call and teardown together) it records every ``from_pretrained`
 
 - served: lowmem_hf completed the load; the returned model carries ``lowmem_report`` (what lowmem_hf's own
   tests check), so this cannot be confused with a model transformers built;
-- fallback: the call came back with transformers' model (no ``lowmem_report``): lowmem_hf raised
-  ``UnsupportedArgumentError`` and the switch handed the call to transformers with a ``FallbackWarning``; the
-  argument and message are recorded;
+- fallback: the call came back with transformers' model (no ``lowmem_report``): the switch handed the call to
+  transformers with a ``FallbackWarning`` (``lowmem_hf.patch._fall_back``: an argument lowmem_hf does not
+  implement, or a checkpoint of which nothing loads); the argument (or lowmem_hf's error) and reason are recorded;
 - raised: an exception left the switch, with its type, message and the stage it came from (lowmem_hf's
   ``make_request`` / ``prepare`` / ``execute``, or transformers' loader after a fallback; such a call is counted
   as a fallback too). Many tests expect the exception;
@@ -21,8 +21,8 @@ Per test (setup, call and teardown together) it records every ``from_pretrained`
 
 Guards against a switch that silently stopped applying: before each test ``lowmem_hf.is_patched()`` must hold
 and ``PreTrainedModel.from_pretrained`` / ``AutoModel.from_pretrained`` must be the switch's function, or the
-test errors with the reason; the hook points (``lowmem_hf.patch._load_or_fall_back``, ``lowmem_hf.load.prepare``,
-``lowmem_hf.request.make_request``) must exist, or the session refuses to start.
+test errors with the reason; the hook points (``lowmem_hf.patch._load_or_fall_back`` and ``_fall_back``,
+``lowmem_hf.load.prepare``, ``lowmem_hf.request.make_request``) must exist, or the session refuses to start.
 
 Works with pytest-xdist: each worker attaches its counts to the test reports (``user_properties``), which
 xdist sends to the controller, and the controller writes the one summary.
@@ -134,11 +134,11 @@ def _counted_load_or_fall_back(original):
             entry["kind"] = "raised"
             entry["type"] = type(exc).__name__
             entry["message"] = _short(exc)
-            if "lowmem_error" in frame:
+            if "lowmem_error" in frame and "fell_back" not in frame:
                 entry["stage"] = frame["lowmem_error"]["stage"]
-            elif "unsupported" in frame:  # handed to transformers, whose loader raised
+            elif "fell_back" in frame:  # handed to transformers, whose loader raised
                 entry["stage"] = "transformers (after fallback)"
-                entry["fallback"] = frame["unsupported"]
+                entry["fallback"] = _fallback_of(frame)
             else:
                 entry["stage"] = frame.get("stage", "?")
             raise
@@ -148,20 +148,40 @@ def _counted_load_or_fall_back(original):
             if report is not None and frame.get("executed"):
                 entry["kind"] = "served"
                 entry["bytes_read"] = int(getattr(report, "bytes_read", 0) or 0)
-            elif report is None and "unsupported" in frame and not frame.get("executed"):
+            elif report is None and "fell_back" in frame and not frame.get("executed"):
                 entry["kind"] = "fallback"
-                entry.update(frame["unsupported"])
+                entry.update(_fallback_of(frame))
             else:  # the hooks disagree with the result: the plugin no longer sees inside the switch
                 entry["kind"] = "unaccounted"
                 entry["detail"] = (
                     f"lowmem_report={'yes' if report is not None else 'no'}, execute seen={bool(frame.get('executed'))}, "
-                    f"UnsupportedArgumentError seen={'unsupported' in frame}"
+                    f"fallback seen={'fell_back' in frame}"
                 )
             return result
         finally:
             entry["seconds"] = round(time.perf_counter() - started, 3)
             _frames().pop()
             _record(entry)
+
+    wrapper.__lowmem_switch_plugin__ = True
+    return wrapper
+
+
+def _fallback_of(frame: dict) -> dict:
+    """``{argument, reason}`` of a call the switch handed to transformers: the argument lowmem_hf does not implement,
+    or the lowmem_hf error the switch answered by falling back (``NothingToLoadError``)."""
+    if "unsupported" in frame:
+        return {"argument": frame["unsupported"]["argument"], "reason": frame["fell_back"]}
+    return {"argument": frame.get("lowmem_error", {}).get("type", "?"), "reason": frame["fell_back"]}
+
+
+def _noted_fall_back(original):
+    @functools.wraps(original)
+    def wrapper(cls, path, model_args, kwargs, reason):
+        frames = _frames()
+        if frames:
+            frames[-1]["fell_back"] = _short(reason)
+        return original(cls, path, model_args, kwargs, reason)
 
     wrapper.__lowmem_switch_plugin__ = True
     return wrapper
@@ -178,8 +198,8 @@ def _install_hooks() -> None:
 
     missing = [
         f"{mod.__name__}.{name}"
-        for mod, name in ((patch_mod, "_load_or_fall_back"), (load_mod, "prepare"), (load_mod, "execute"),
-                          (request_mod, "make_request"))
+        for mod, name in ((patch_mod, "_load_or_fall_back"), (patch_mod, "_fall_back"), (load_mod, "prepare"),
+                          (load_mod, "execute"), (request_mod, "make_request"))
         if not callable(getattr(mod, name, None))
     ]
     if missing:
@@ -190,6 +210,7 @@ def _install_hooks() -> None:
     # patch._switched_from_pretrained looks _load_or_fall_back up as a module global at each call, and
     # _load_or_fall_back imports make_request / prepare / execute from their modules at each call
     patch_mod._load_or_fall_back = _counted_load_or_fall_back(patch_mod._load_or_fall_back)
+    patch_mod._fall_back = _noted_fall_back(patch_mod._fall_back)
     request_mod.make_request = _staged("make_request", request_mod.make_request)
     load_mod.prepare = _staged("prepare", load_mod.prepare)
     load_mod.execute = _staged("execute", load_mod.execute)
