@@ -132,6 +132,14 @@ def _tensor_info(key: str, chunks: tuple[StoredChunk, ...], dtype: torch.dtype, 
     return TensorInfo(key=key, file=min(c.file for c in chunks), dtype=dtype, shape=shape, offset=None)
 
 
+_NEWER_TORCH_HINT = (
+    f" (Or it was written by a newer torch: torch 2.15 added fields to this file that torch "
+    f"{torch.__version__.split('+')[0]} cannot unpickle. Then load it with the torch that saved it.)"
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15) else ""
+)
+"""Said where a ``.metadata`` file does not unpickle: DCP's metadata format is not readable by older torch releases."""
+
+
 def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -142,7 +150,7 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
     except Exception as e:  # pickle raises a zoo of types on a damaged file
         raise CorruptCheckpointError(
             f"{metadata_path}: torch.distributed.checkpoint could not read it ({type(e).__name__}: {e}). "
-            "The checkpoint is incomplete or corrupt: save it again."
+            f"The checkpoint is incomplete or corrupt: save it again.{_NEWER_TORCH_HINT}"
         ) from e
     sizes: dict[str, int] = {}
     chunks: dict[str, tuple[StoredChunk, ...]] = {}
