@@ -14,6 +14,7 @@ import pickle
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import torch.distributed as dist
@@ -27,19 +28,17 @@ from lowmem_hf.compat import torch_api
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _pyproject() -> str:
-    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
-        return f.read()
+def _project() -> dict:
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
 
 
 def declared_dependencies() -> list[Requirement]:
-    """pyproject.toml's ``dependencies`` (read as text: Python 3.10, the oldest stack, has no tomllib)."""
-    block = re.search(r"^dependencies = \[(.*?)^\]", _pyproject(), re.S | re.M).group(1)
-    return [Requirement(r) for r in re.findall(r'^\s*"([^"]+)",', block, re.M)]
+    return [Requirement(r) for r in _project()["dependencies"]]
 
 
 def declared_python() -> SpecifierSet:
-    return SpecifierSet(re.search(r'^requires-python = "([^"]+)"', _pyproject(), re.M).group(1))
+    return SpecifierSet(_project()["requires-python"])
 
 
 def _floor(requirement: Requirement) -> str:
