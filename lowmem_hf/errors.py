@@ -18,6 +18,7 @@ __all__ = [
     "UnsupportedConversionError",
     "IncompleteLoadError",
     "UnsupportedArgumentError",
+    "ArgumentTypeError",
     "NothingToLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
@@ -115,6 +116,11 @@ class UnsupportedArgumentError(LowMemError, NotImplementedError):
     def __init__(self, argument: str, message: str):
         super().__init__(message, key=argument)
         self.argument = argument
+
+
+class ArgumentTypeError(LowMemError, TypeError):
+    """An argument of a type that has no meaning for it; ``key`` names the argument, ``expected`` and ``found`` the
+    types."""
 
 
 class RankFailedError(LowMemError, RuntimeError):
