@@ -16,6 +16,7 @@ import pkgutil as _pkgutil
 import transformers as _transformers  # a lazy module: its export table names every class without importing it
 
 from .errors import (
+    ArgumentTypeError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     CorruptDownloadError,
@@ -99,6 +100,7 @@ __all__ = [
     "ShapeMismatchError",
     "UnsupportedConversionError",
     "UnsupportedArgumentError",
+    "ArgumentTypeError",
     "IncompleteLoadError",
     "NothingToLoadError",
     "RankFailedError",

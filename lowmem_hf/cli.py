@@ -20,13 +20,11 @@ import sys
 import tempfile
 from typing import Callable
 
+from .errors import UsageError
+
 __all__ = ["main", "format_report", "UsageError", "COMMANDS"]
 
 _MIB = 1024 * 1024
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2, no traceback."""
 
 
 class _Parser(argparse.ArgumentParser):

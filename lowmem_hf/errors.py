@@ -2,7 +2,8 @@
 
 Each subclasses the closest built-in so callers that already catch ``OSError`` / ``ValueError`` /
 ``RuntimeError`` around ``from_pretrained`` keep working. Messages name the file or key, what was
-expected, what was found, and how to fix it.
+expected, what was found, and how to fix it, and carry those parts as attributes (``LowMemError``'s fields) where
+the raise site has them. Every exception survives a pickle round trip: errors cross ranks and child processes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "UnsupportedConversionError",
     "IncompleteLoadError",
     "UnsupportedArgumentError",
+    "ArgumentTypeError",
     "NothingToLoadError",
     "RankFailedError",
     "RemoteFileChangedError",
@@ -25,6 +27,10 @@ __all__ = [
     "HubConnectionError",
     "OversizedModelError",
     "UpstreamAPIError",
+    "UnsupportedStyleError",
+    "UsageError",
+    "FallbackWarning",
+    "broken_rule",
 ]
 
 
@@ -35,7 +41,38 @@ def short_repr(value, limit: int = 80) -> str:
 
 
 class LowMemError(Exception):
-    """Base class of the errors below; never raised itself."""
+    """Base class of the errors below; never raised itself.
+
+    The fields are the parts of the message, for code that handles the error rather than prints it; each is None
+    where the raise site does not have that part (most raises fill ``file`` and ``key`` at most).
+
+    Attributes:
+        file: the file (or folder, or index entry) the error is about, as the message names it.
+        key: the tensor key or the argument the error is about.
+        subject: what broke the rule, as the message names it (``"tensor 'w'"``, ``"zip member 'a/data/0'"``).
+        rule: the rule broken, by its name in the format's checks (``'contiguous offsets'``).
+        expected: what the rule asks for, as the message shows it.
+        found: what is there instead, as the message shows it.
+        fix: how to fix it.
+    """
+
+    def __init__(
+        self, *args, file: str | None = None, key: str | None = None, subject: str | None = None, rule: str | None = None,
+        expected: str | None = None, found: str | None = None, fix: str | None = None,
+    ):
+        super().__init__(*args)
+        self.file, self.key, self.subject, self.rule = file, key, subject, rule
+        self.expected, self.found, self.fix = expected, found, fix
+
+    def __reduce__(self):
+        # rebuilt from ``args`` without calling ``__init__`` (a subclass's may take other arguments), then the fields
+        return _restore, (type(self), self.args), self.__dict__
+
+
+def _restore(cls: type, args: tuple) -> BaseException:
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError's __new__ leaves them to __init__ where a subclass defines one
+    return error
 
 
 class CheckpointNotFoundError(LowMemError, OSError):
@@ -77,8 +114,13 @@ class UnsupportedArgumentError(LowMemError, NotImplementedError):
     """
 
     def __init__(self, argument: str, message: str):
-        super().__init__(message)
+        super().__init__(message, key=argument)
         self.argument = argument
+
+
+class ArgumentTypeError(LowMemError, TypeError):
+    """An argument of a type that has no meaning for it; ``key`` names the argument, ``expected`` and ``found`` the
+    types."""
 
 
 class RankFailedError(LowMemError, RuntimeError):
@@ -118,13 +160,47 @@ class UpstreamAPIError(LowMemError, NotImplementedError):
     """
 
     def __init__(self, feature: str, *, needs: str, found: str, fix: str):
-        super().__init__(f"{feature} needs {needs}, which {found} does not have. Fix: {fix}.")
-        self.feature, self.needs, self.found, self.fix = feature, needs, found, fix
-
-    def __reduce__(self):
-        # errors cross ranks and child processes pickled; the keyword-only constructor needs its fields back
-        return _rebuild_upstream_api_error, (self.feature, self.needs, self.found, self.fix)
+        super().__init__(f"{feature} needs {needs}, which {found} does not have. Fix: {fix}.", found=found, fix=fix)
+        self.feature, self.needs = feature, needs
 
 
-def _rebuild_upstream_api_error(feature: str, needs: str, found: str, fix: str) -> UpstreamAPIError:
-    return UpstreamAPIError(feature, needs=needs, found=found, fix=fix)
+class UnsupportedStyleError(LowMemError, NotImplementedError):
+    """A TP style lowmem_hf cannot slice at read time."""
+
+
+class UsageError(LowMemError):
+    """Bad command-line input: printed as one line, exit status 2, no traceback."""
+
+
+class FallbackWarning(UserWarning):
+    """A ``from_pretrained`` call under the switch was handed to transformers' own loader.
+
+    A warning, not an error, so not a ``LowMemError``: it is never raised unless the caller turns warnings into errors.
+    """
+
+
+def broken_rule(
+    file: str, subject: str, rule: str, expected: str, found: str, *, fix: str, rulebook: str = "", key: str | None = None,
+) -> CorruptCheckpointError:
+    """The error for a checkpoint file that breaks one of its format's rules: the message and the fields from the
+    same parts, ``"{file}: {subject} breaks the {rulebook} rule {rule!r}: expected {expected}, found {found}. {fix}"``.
+
+    Args:
+        file: the file (or checkpoint folder) that breaks the rule.
+        subject: what in it breaks the rule (``"tensor 'w'"``); ``key``: the tensor key, where there is one.
+        rule: the rule's name; ``rulebook``: whose rules they are (``"safetensors"``, ``"DCP"``; empty for none).
+        expected, found, fix: what the rule asks for, what is there, and what to do.
+
+    Returns:
+        A ``CorruptCheckpointError`` to raise, with ``file``, ``key``, ``subject``, ``rule``, ``expected``, ``found``
+        and ``fix`` set.
+
+    Example::
+
+        raise broken_rule("model.safetensors", "tensor 'w'", "byte size", "16 bytes", "12", fix="Copy it again.", key="w")
+    """
+    rules = f"{rulebook} rule" if rulebook else "rule"
+    return CorruptCheckpointError(
+        f"{file}: {subject} breaks the {rules} {rule!r}: expected {expected}, found {found}. {fix}",
+        file=file, key=key, subject=subject, rule=rule, expected=expected, found=found, fix=fix,
+    )

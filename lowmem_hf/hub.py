@@ -81,6 +81,7 @@ def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
     alone first cost the other ranks a second round of requests, after the broadcast.)
     """
     revision = revision or "main"
+    _check_subfolder(repo_id, hub)
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     commit, error = None, None
     try:
@@ -102,6 +103,19 @@ def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
     if box[0] != commit:  # the branch moved between the ranks' requests, or this rank failed: rank 0's commit
         _download(repo_id, "config.json", box[0], hub)
     return box[0]
+
+
+def _check_subfolder(repo_id: str, hub: HubArgs) -> None:
+    """Refuse a ``subfolder`` that leaves the repo before its first request (huggingface_hub's own refusal, a
+    ``ValueError`` about a file name, names neither the argument nor the repo)."""
+    subfolder = hub.get("subfolder") or ""
+    if _leaves_repo(subfolder):
+        fix = "Pass the folder's path inside the repo (subfolder='text_encoder'), or '' for its top folder."
+        raise OutsideCheckpointError(
+            f"subfolder={subfolder!r} leaves the repo {repo_id!r}: a subfolder of a Hub checkpoint is a path inside "
+            f"its repo (no '..', not absolute). {fix}",
+            key="subfolder", file=subfolder, expected="a path inside the repo", found=repr(subfolder), fix=fix,
+        )
 
 
 def _commit_of(path: str) -> str:
@@ -172,6 +186,7 @@ def download(
                     tqdm_class=tqdm_class,
                 ),
                 what=f"{repo_path} (repo {repo_id!r}, revision {revision}): downloading it",
+                file=repo_path,
             )
         except LocalEntryNotFoundError:
             raise  # offline and not cached: huggingface_hub's own error says exactly that
@@ -262,15 +277,21 @@ def _repo_path(filename: str, hub: HubArgs) -> str:
     return f"{subfolder}/{filename}" if subfolder else filename
 
 
+def _leaves_repo(repo_path: str) -> bool:
+    """Whether a path meant inside a repo is absolute or climbs out of it with ``..``."""
+    parts = repo_path.replace("\\", "/").split("/")
+    return repo_path.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", repo_path) is not None or ".." in parts
+
+
 def _check_repo_path(entry: str, repo_path: str, *, repo_id: str, what: str) -> None:
     """Refuse a repo path that leaves the repo (``..``, absolute), as huggingface_hub refuses it for downloads,
     before it is looked up in the cache (where it would lead outside the snapshot)."""
-    parts = repo_path.replace("\\", "/").split("/")
-    if repo_path.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", repo_path) or ".." in parts:
+    if _leaves_repo(repo_path):
         shown = f"{entry!r}" + (f" (repo path {repo_path!r})" if repo_path != entry else "")
         raise OutsideCheckpointError(
             f"{what} {shown}, which leaves the repo {repo_id!r}: a file of a Hub checkpoint is a path inside its "
-            f"repo (no '..', not absolute). {_OUTSIDE_REPO_HOW}"
+            f"repo (no '..', not absolute). {_OUTSIDE_REPO_HOW}",
+            file=entry,
         )
 
 
@@ -289,11 +310,13 @@ def _check_in_cache(path: str, repo_id: str, repo_path: str, hub: HubArgs) -> No
 
 def _remote(repo_id: str, filename: str, commit: str, hub: HubArgs) -> RemoteFile | None:
     """Size and etag of a repo file at ``commit`` (one HEAD request), or ``None`` if the file does not exist."""
-    url = hf_hub_url(repo_id, _repo_path(filename, hub), revision=commit)
+    repo_path = _repo_path(filename, hub)
+    url = hf_hub_url(repo_id, repo_path, revision=commit)
     try:
         meta = retry_hub_call(
             lambda: get_hf_file_metadata(url, token=hub.get("token")),
             what=f"{filename} (repo {repo_id!r}, revision {commit}): reading its size and etag",
+            file=repo_path,
         )
     except EntryNotFoundError:
         return None

@@ -469,6 +469,9 @@ def _load_config(request: LoadRequest, load: Callable[[], tuple[Any, dict[str, A
                 f"{_config_source(request) or CONFIG_NAME} is not a valid JSON file: {type(cause).__name__}: {cause}. "
                 "Fix the file (it must be UTF-8 JSON holding one object), or pass a valid config=."
             ) from e
+        missing = _missing_config(request.config, e)
+        if missing is not None:
+            raise missing from e
         raise
     except ImportError:
         raise
@@ -484,6 +487,20 @@ def _load_config(request: LoadRequest, load: Callable[[], tuple[Any, dict[str, A
                 + ": pass the folder save_pretrained wrote, or config=."
             ) from e
         raise ValueError(_config_error_message(e, source, request)) from e
+
+
+def _missing_config(config: Any, e: OSError) -> CheckpointNotFoundError | None:
+    """The error for a ``config=`` path that is no local folder or file, which transformers could not load as a Hub
+    repo id either (its error speaks of connecting to the Hub and names neither the argument nor the path); None for
+    any other ``config``."""
+    if not isinstance(config, (str, os.PathLike)) or os.path.exists(config):
+        return None
+    path, fix = os.fspath(config), "Check the path, or pass a transformers config object."
+    found = f"no such local path, and as a Hub repo id: {' '.join(str(e).split()).rstrip('.')}"
+    return CheckpointNotFoundError(
+        f"config={short_repr(path)} names no local folder or file and no Hub repo that could be loaded ({found}). {fix}",
+        key="config", file=path, expected="a local folder or config.json, or a Hub repo id", found=found, fix=fix,
+    )
 
 
 def _build(

@@ -24,7 +24,7 @@ import threading
 import warnings
 from typing import Any
 
-from .errors import NothingToLoadError, UnsupportedArgumentError
+from .errors import FallbackWarning, NothingToLoadError, UnsupportedArgumentError
 
 __all__ = ["patch_transformers", "unpatch_transformers", "is_patched", "FallbackWarning"]
 
@@ -32,10 +32,6 @@ _originals: dict[type, Any] = {}
 # Set while a call is inside lowmem_hf or inside transformers' loader on a fallback: transformers' auto classes
 # call the concrete class's from_pretrained, which must then go straight to transformers' own code.
 _active = threading.local()
-
-
-class FallbackWarning(UserWarning):
-    """A ``from_pretrained`` call under the switch was handed to transformers' own loader."""
 
 
 class _Patch:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from .distributed import check_distributed_config
-from .errors import CheckpointNotFoundError, UnsupportedArgumentError, short_repr
+from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
@@ -318,8 +318,17 @@ def _check_config(config: Any) -> None:
         except HFValidationError:
             raise CheckpointNotFoundError(
                 f"config={short_repr(os.fspath(config))} is neither a local folder or file nor a Hub repo id ('org/name'). "
-                "Check the path, or pass a transformers config object."
+                "Check the path, or pass a transformers config object.",
+                key="config", file=os.fspath(config),
             ) from None
+
+
+def _check_path_argument(argument: str, value: Any, *, expected: str, fix: str) -> None:
+    """A path argument (``subfolder``, ``cache_dir``) must be a ``str`` or ``os.PathLike``: anything else reached
+    ``os.path.join`` deep in the load as its ``TypeError``, naming no argument."""
+    if not isinstance(value, (str, os.PathLike)):
+        found = f"{type(value).__name__} {short_repr(value)}"
+        raise ArgumentTypeError(f"{argument} must be {expected}, got {found}. {fix}", key=argument, expected=expected, found=found, fix=fix)
 
 
 def _check_generation_config(generation_config: Any) -> None:
@@ -411,7 +420,8 @@ def make_request(
             device (``device``/``device_map``), which would give a model with no weights.
         ValueError: a bad dtype (one transformers does not load floats into), dtype policy, fetch mode, chunk size,
             device or device combination, or a ``key_mapping`` key that is not a regex.
-        TypeError: a ``config`` that is neither a config, a path nor None; a ``key_mapping`` that is not a str dict.
+        TypeError: a ``config`` that is neither a config, a path nor None; a ``key_mapping`` that is not a str dict;
+            a ``subfolder`` or ``cache_dir`` that is not a path (``ArgumentTypeError``, naming it).
     """
     for name in sorted(n for n in config_overrides if n in NOT_IMPLEMENTED):
         value = config_overrides.pop(name)
@@ -438,6 +448,15 @@ def make_request(
             "model.fp16.safetensors), or None for the plain weight files."
         )
     _check_config(config)
+    _check_path_argument(
+        "subfolder", subfolder, expected="a str path inside the checkpoint ('' for its top folder)",
+        fix="Pass subfolder='' (the default) for the top folder.",
+    )
+    if cache_dir is not None:
+        _check_path_argument(
+            "cache_dir", cache_dir, expected="a str path to the HF cache folder, or None",
+            fix="Pass a folder path, or leave it out for the default HF cache.",
+        )
     _check_generation_config(generation_config)
     _check_key_mapping(key_mapping)
     if fetch not in FETCH_MODES:

@@ -61,7 +61,8 @@ def inside_folder(entry: str, folder: str, *, what: str, base: str | None = None
     path = os.path.normpath(os.path.join(base or folder, entry))
     if not _within(path, folder):
         raise OutsideCheckpointError(
-            f"{what} {entry!r}: that is {path}, outside the checkpoint folder {folder}. {HOW_TO_LOAD_OUTSIDE}"
+            f"{what} {entry!r}: that is {path}, outside the checkpoint folder {folder}. {HOW_TO_LOAD_OUTSIDE}",
+            file=entry,
         )
     return path
 
@@ -101,7 +102,8 @@ def check_real_path(path: str, folder: str, *, what: str, entry: str, roots: Seq
     if not any(_within(real, r) for r in allowed):
         raise OutsideCheckpointError(
             f"{what} {entry!r}: a symlink to {real}, outside the checkpoint folder {os.path.abspath(folder)}. "
-            f"{HOW_TO_LOAD_OUTSIDE}"
+            f"{HOW_TO_LOAD_OUTSIDE}",
+            file=entry,
         )
 
 

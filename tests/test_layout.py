@@ -243,3 +243,44 @@ def test_own_private_attributes_are_not_upstream_names(tmp_path):
     source = "class A:\n    def __init__(self):\n        self._x = 1\n    def _f(self):\n        return self._x\n"
     root = _package(tmp_path, {"a.py": source + "def g(a):\n    return a._f(), a._x, getattr(a, '_x')\n"})
     assert upstream_private_uses(root) == []
+
+
+def exceptions_outside(root: Path, home: str = "errors.py") -> list[str]:
+    """``file:line: class`` for every class deriving from ``BaseException`` that is defined outside ``root/home``.
+
+    A class is an exception when a base is a built-in exception or, by name, another exception class of the package
+    (found to a fixed point, so a subclass of a subclass counts)."""
+    import builtins
+
+    known = {name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)}
+    classes = [
+        (path, node) for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.ClassDef)
+    ]
+
+    def base_names(node: ast.ClassDef) -> set[str]:
+        return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+    grown = True
+    while grown:
+        before = len(known)
+        known |= {node.name for _, node in classes if base_names(node) & known}
+        grown = len(known) > before
+    return [
+        f"{path.relative_to(root.parent)}:{node.lineno}: {node.name}"
+        for path, node in classes
+        if base_names(node) & known and path != root / home
+    ]
+
+
+def test_every_exception_is_defined_in_errors_py():
+    assert exceptions_outside(PACKAGE) == []
+
+
+def test_an_exception_outside_errors_py_is_found(tmp_path):
+    files = {
+        "errors.py": "class Base(Exception):\n    pass\n",
+        "a.py": "from .errors import Base\nclass Mine(Base):\n    pass\nclass Sub(Mine):\n    pass\nclass Fine:\n    pass\n",
+        "b.py": "import warnings\nclass W(UserWarning):\n    pass\n",
+    }
+    assert exceptions_outside(_package(tmp_path, files)) == ["pkg/a.py:2: Mine", "pkg/a.py:4: Sub", "pkg/b.py:2: W"]

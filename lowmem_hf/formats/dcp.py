@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, broken_rule
 from ..plan.sharding import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ..sources import ByteSource
 from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
@@ -162,9 +162,10 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
         for chunk in entry.chunks:
             storage = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
             if storage is None:
-                raise _dcp_error(
+                raise broken_rule(
                     metadata_path, f"{key!r} (chunk at {list(chunk.offsets)})", "every chunk stored",
                     "an entry in storage_data saying which file holds it", "none",
+                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
                 )
             path = os.path.join(directory, storage.relative_path)
             if storage.transform_descriptors:
@@ -176,9 +177,10 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
                 sizes[path] = os.path.getsize(path) if os.path.isfile(path) else -1
             subject = f"{key!r} (chunk at {list(chunk.offsets)})"
             if storage.offset < 0 or storage.length <= 0:
-                raise _dcp_error(
+                raise broken_rule(
                     metadata_path, subject, "byte range inside its file", f"a non-empty byte range of {path}",
                     f"[{storage.offset}, {storage.offset + storage.length})",
+                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
                 )
             if storage.offset + storage.length > sizes[path]:
                 found = "is missing" if sizes[path] < 0 else f"has {sizes[path]} bytes"
@@ -238,10 +240,6 @@ def _read_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[
 _RESAVE_DCP = "The checkpoint is corrupt: save it again."
 
 
-def _dcp_error(where: str, subject: str, rule: str, expected: str, found: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {subject} breaks the DCP rule {rule!r}: expected {expected}, found {found}. {_RESAVE_DCP}")
-
-
 def _boxes_overlap(a: StoredChunk, b: StoredChunk) -> bool:
     return all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
@@ -275,16 +273,17 @@ def check_chunks(key: str, size: tuple[int, ...], chunks: tuple[StoredChunk, ...
         if len(c.offsets) != len(size) or len(c.sizes) != len(size) or any(
             o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)
         ):
-            raise _dcp_error(
+            raise broken_rule(
                 where, f"{key!r} (chunk at {list(c.offsets)})", "chunk inside its tensor", f"a box inside the tensor's shape {list(size)}",
-                f"offsets {list(c.offsets)}, sizes {list(c.sizes)}",
+                f"offsets {list(c.offsets)}, sizes {list(c.sizes)}", rulebook="DCP", fix=_RESAVE_DCP, key=key,
             )
     pair = _first_overlap(chunks)
     if pair is not None:
         a, b = pair
-        raise _dcp_error(
+        raise broken_rule(
             where, f"{key!r}", "chunks do not overlap", "chunks that share no element",
             f"chunk at {list(a.offsets)} (sizes {list(a.sizes)}) overlapping chunk at {list(b.offsets)} (sizes {list(b.sizes)})",
+            rulebook="DCP", fix=_RESAVE_DCP, key=key,
         )
 
 
@@ -298,10 +297,11 @@ def _check_byte_ranges(chunks: Mapping[str, tuple[StoredChunk, ...]], *, where: 
         ranges.sort(key=lambda r: r[:2])
         for (_, prev_end, prev_key, prev), (start, end, key, c) in zip(ranges, ranges[1:]):
             if start < prev_end:
-                raise _dcp_error(
+                raise broken_rule(
                     where, f"{key!r} (chunk at {list(c.offsets)})", "byte ranges do not overlap",
                     f"bytes of {file} from {prev_end} on (after {prev_key!r}, chunk at {list(prev.offsets)})",
                     f"[{start}, {end})",
+                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
                 )
 
 
@@ -328,10 +328,11 @@ def check_covered(checkpoint: Checkpoint, plan: LoadPlan) -> None:
             if box is not None:
                 covered += math.prod(h - l for l, h in zip(*box))
         if covered != needed:
-            raise _dcp_error(
+            raise broken_rule(
                 checkpoint.name_or_path, f"{info.key!r}", "chunks cover what is read",
                 f"stored chunks holding the {needed} elements this rank reads ({what} global shape {list(info.shape)})",
                 f"{covered} stored (chunks at {[list(c.offsets) for c in checkpoint.layout.chunks[info.key]]}). The checkpoint is incomplete",
+                rulebook="DCP", fix=_RESAVE_DCP, key=info.key,
             )
 
 

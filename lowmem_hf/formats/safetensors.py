@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, broken_rule
 from ..plan.sharding import element_runs
 from ..sources import ByteSource
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
@@ -131,18 +132,29 @@ def header_length(prefix: bytes, size: int, name: str) -> int:
     return header_len
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which a JSON \uXXXX escape can spell
+        return False
+    return True
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a JSON object whose keys are unique (plain JSON keeps the last of two, silently)."""
+def _unique_pairs(pairs: list[tuple[str, Any]], *, name: str) -> dict[str, Any]:
+    """``json.loads`` hook: a JSON object whose keys are UTF-8 text (a ``\\ud800`` escape is not, and safetensors
+    refuses it) and unique (plain JSON keeps the last of two, silently). ``name``: the file, for the error."""
     out: dict[str, Any] = {}
     for key, value in pairs:
+        if not _is_utf8(key):
+            raise broken_rule(
+                name, f"key {key!r}", "header JSON", "UTF-8 text", "a lone surrogate escape, which is not UTF-8",
+                rulebook="safetensors", fix=_REFUSED, key=key,
+            )
         if key in out:
-            raise _DuplicateKey(key)
+            raise broken_rule(
+                name, f"key {key!r}", "unique keys", "each key once", "it twice (a JSON reader keeps the last one silently)",
+                rulebook="safetensors", fix="The file is corrupt: download or copy it again.", key=key,
+            )
         out[key] = value
     return out
 
@@ -180,20 +192,14 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
     Raises:
         CorruptCheckpointError: naming the rule broken.
     """
-    def invalid(subject: str, rule: str, expected: str, found: str, fix: str = _REFUSED) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{name}: {subject} breaks the safetensors rule {rule!r}: expected {expected}, found {found}. {fix}")
+    invalid = partial(broken_rule, name, rulebook="safetensors", fix=_REFUSED)
 
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid("the header", "header JSON", "UTF-8 text", f"byte {raw[e.start]:#04x} at header byte {e.start}") from e
     try:
-        header = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
-    except _DuplicateKey as e:
-        raise invalid(
-            f"key {e.key!r}", "unique keys", "each key once", "it twice (a JSON reader keeps the last one silently)",
-            "The file is corrupt: download or copy it again.",
-        ) from e
+        header = json.loads(text, object_pairs_hook=partial(_unique_pairs, name=name), parse_constant=_no_constant)
     except ValueError as e:
         raise invalid("the header", "header JSON", "one JSON object padded with spaces", f"not valid JSON ({e})") from e
     if not isinstance(header, dict):
@@ -212,14 +218,14 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
             continue
         subject = f"tensor {key!r}"
         if not isinstance(entry, dict) or not all(f in entry for f in ("dtype", "shape", "data_offsets")):
-            raise invalid(subject, "entry", "an object with dtype, shape and data_offsets", repr(entry)[:200])
+            raise invalid(subject, "entry", "an object with dtype, shape and data_offsets", repr(entry)[:200], key=key)
         tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if tag not in _FORMAT_DTYPES:
-            raise invalid(subject, "entry", f"dtype among {', '.join(_FORMAT_DTYPES)}", repr(tag))
+            raise invalid(subject, "entry", f"dtype among {', '.join(_FORMAT_DTYPES)}", repr(tag), key=key)
         if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
-            raise invalid(subject, "entry", "shape a list of non-negative integers", repr(shape))
+            raise invalid(subject, "entry", "shape a list of non-negative integers", repr(shape), key=key)
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(x) for x in offsets):
-            raise invalid(subject, "entry", "data_offsets two non-negative integers [begin, end)", repr(offsets))
+            raise invalid(subject, "entry", "data_offsets two non-negative integers [begin, end)", repr(offsets), key=key)
         if tag not in DTYPES:
             raise CorruptCheckpointError(
                 f"{name}: tensor {key!r} is stored as {tag}, a safetensors dtype lowmem_hf cannot load "
@@ -229,7 +235,7 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
         info = TensorInfo(key=key, file=name, dtype=DTYPES[tag], shape=tuple(shape), offset=data_start + begin)
         if end < begin or end - begin != info.nbytes:
             raise invalid(
-                subject, "byte size", f"{info.nbytes} bytes ({tag} x {shape})", f"data_offsets {offsets} ({end - begin} bytes)"
+                subject, "byte size", f"{info.nbytes} bytes ({tag} x {shape})", f"data_offsets {offsets} ({end - begin} bytes)", key=key,
             )
         infos[key] = info
         spans.append((begin, end, key))
@@ -242,7 +248,7 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
             what = "a gap of" if begin > expected_begin else "an overlap of"
             raise invalid(
                 f"tensor {key!r}", "contiguous offsets", f"data_offsets beginning at {expected_begin} ({after})",
-                f"[{begin}, {end}): {what} {_plural(abs(begin - expected_begin), 'byte')}",
+                f"[{begin}, {end}): {what} {_plural(abs(begin - expected_begin), 'byte')}", key=key,
             )
         expected_begin, previous = end, key
     if expected_begin != data_size:
@@ -251,7 +257,7 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
             raise invalid("the data section", "data section covered", "no data (the header lists no tensor)", found)
         expected = f"{expected_begin} bytes of data, ending where the last tensor, {previous!r}, ends"
         if data_size < expected_begin:
-            raise invalid("the data section", "data section covered", expected, found, "The file is truncated: download or copy it again.")
+            raise invalid("the data section", "data section covered", expected, found, fix="The file is truncated: download or copy it again.")
         raise invalid(
             "the data section", "data section covered", expected,
             f"{found}: {_plural(data_size - expected_begin, 'byte')} that no tensor covers (a wrong header length, or bytes appended)",

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, broken_rule
 from ..plan.sharding import element_runs, slice_tensor
 from ..sources import ByteSource
 from ..sources.local import LocalFiles
@@ -80,7 +80,7 @@ class Archive:
 
 
 def _member_error(name: str, member: str, rule: str, expected: str, found: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{name}: zip member {member!r} breaks the rule {rule!r}: expected {expected}, found {found}. {_RESAVE}")
+    return broken_rule(name, f"zip member {member!r}", rule, expected, found, fix=_RESAVE)
 
 
 def read_archive(f: BinaryIO, *, name: str) -> Archive:

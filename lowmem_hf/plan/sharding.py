@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..errors import UnsupportedStyleError
 from ..types import ShardSpec
 
 __all__ = [
@@ -42,10 +43,6 @@ __all__ = [
     "slice_tensor",
     "check_head_divisibility",
 ]
-
-
-class UnsupportedStyleError(NotImplementedError):
-    """A TP style lowmem_hf cannot slice at read time."""
 
 
 def _out_dim(ndim: int, leaf: str) -> int | None:

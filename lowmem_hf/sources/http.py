@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable, Mapping, TypeVar
 
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from ..errors import CorruptCheckpointError, HubConnectionError, RemoteFileChangedError
@@ -47,33 +47,43 @@ def _backoff(attempt: int) -> None:
     time.sleep(min(0.05 * 2**attempt, 1.0))
 
 
-def retry_hub_call(call: Callable[[], T], *, what: str) -> T:
+def _why_retry(e: BaseException) -> str | None:
+    """What a failed huggingface_hub request met, where the same request may succeed later; None where it would not."""
+    if isinstance(e, TRANSPORT_ERRORS):
+        return f"the connection kept dropping ({type(e).__name__}: {e})"
+    if isinstance(e, HfHubHTTPError):
+        status = e.response.status_code if e.response is not None else None
+        return f"the server answered {status}" if status is not None and is_retryable_status(status) else None
+    if isinstance(e, LocalEntryNotFoundError):
+        # hf_hub_download's answer when the HEAD of a file it has not cached failed: the HEAD's error is the cause
+        # (offline mode is a cause too, and never retryable)
+        return _why_retry(e.__cause__) if e.__cause__ is not None else None
+    if type(e) is OSError and e.errno is None:  # an OSError from the disk carries an errno
+        return f"the body stayed short ({e})".replace("\n", " ")
+    return None
+
+
+def retry_hub_call(call: Callable[[], T], *, what: str, file: str) -> T:
     """``call()`` (a huggingface_hub request: a HEAD, a download), retried as the range reads are when the connection
     drops or the server answers a retryable status, ``_MAX_ATTEMPTS`` times in all; then ``HubConnectionError``
-    naming ``what`` and what the last attempt met. Other errors pass through at once.
+    naming ``what`` and what the last attempt met, with ``file`` (the repo path) as its field. Other errors pass
+    through at once.
 
-    Written here because huggingface_hub retries neither a HEAD answered 5xx nor a download whose body stayed short
-    (its "Consistency check failed" ``OSError``, which carries no errno; an ``OSError`` from the disk carries one).
+    Written here because huggingface_hub retries neither a HEAD answered 5xx (``hf_hub_download`` turns it into
+    ``LocalEntryNotFoundError`` for a file it has not cached) nor a download whose body stayed short (its
+    "Consistency check failed" ``OSError``, which carries no errno).
     """
     for attempt in range(_MAX_ATTEMPTS):
         try:
             return call()
-        except TRANSPORT_ERRORS as e:
-            why, last = f"the connection kept dropping ({type(e).__name__}: {e})", e
-        except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else None
-            if status is None or not is_retryable_status(status):
+        except Exception as e:
+            why, last = _why_retry(e), e
+            if why is None:
                 raise
-            why, last = f"the server answered {status}", e
-        except OSError as e:
-            if e.errno is not None or type(e) is not OSError:
-                raise
-            why, last = f"the body stayed short ({e})".replace("\n", " "), e
         if attempt + 1 < _MAX_ATTEMPTS:
             _backoff(attempt)
-    raise HubConnectionError(
-        f"{what} failed {_MAX_ATTEMPTS} times; the last time {why}. Check the network (or proxy) to the Hub and load again."
-    ) from last
+    fix = "Check the network (or proxy) to the Hub and load again."
+    raise HubConnectionError(f"{what} failed {_MAX_ATTEMPTS} times; the last time {why}. {fix}", file=file, found=why, fix=fix) from last
 
 
 class HttpRanges(ByteSource):
