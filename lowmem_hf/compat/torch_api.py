@@ -33,10 +33,10 @@ def strided_split_factor(placement: Any) -> int | None:
     """The ``split_factor`` of a DTensor ``_StridedShard`` placement (FSDP2 sharding a dim TP already sharded), or
     ``None`` for any other placement.
 
-    Told by the attribute rather than by the class: torch 2.11 implements ``_StridedShard`` in C++, 2.13 subclasses
-    that in Python, and the offset-mode enum its index method takes exists only from 2.13 on. What a strided shard
-    selects is computed by lowmem_hf itself (``distributed.strided_shard_indices``) and checked against torch's
-    own arithmetic by the tests.
+    Told by the attribute rather than by the private class. What a strided shard selects is computed by lowmem_hf
+    itself (``distributed.strided_shard_indices``): the method torch offers for it is private and changed signature
+    (torch 2.10-2.12 take ``return_first_offset``, 2.13 on an ``offset_mode`` enum that 2.11 lacks; passed
+    positionally, one's ``False`` is the other's ``FIRST``). The tests check it against torch's own arithmetic.
     """
     factor = getattr(placement, "split_factor", None)
     return None if factor is None else int(factor)
