@@ -65,8 +65,11 @@ def _assert_agrees(planned: dict, measured: dict) -> None:
     # The plan predicts the memory the load allocates. VmHWM also counts file-backed pages: lowmem_hf maps no
     # checkpoint, so those are code pages of torch's libraries first touched by the load (~8 MiB, whatever the model).
     peaks = {"RssAnon": measured["peak_rss_anon_bytes"], "VmHWM - code pages": measured["peak_vm_hwm_bytes"] - measured["peak_rss_file_bytes"]}
+    # Beyond what the plan predicts, a process holds a few MiB that no plan can: the malloc arenas of the reader
+    # threads (3.5 MiB above a 43 MiB prediction in repeated 2-rank loads on torch 2.11 and 2.13, more when the
+    # machine is loaded and the threads overlap longer)
     for what, peak in peaks.items():
-        assert abs(peak - predicted) <= 0.10 * predicted, (what, peak, predicted)
+        assert abs(peak - predicted) <= 0.10 * predicted + 4 * 2**20, (what, peak, predicted)
 
 
 def test_plan_agrees_with_a_measured_load_compared_with_transformers(mid_llama, capsys, tmp_path):

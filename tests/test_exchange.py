@@ -199,13 +199,14 @@ def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, t
 def test_a_killed_rank_makes_every_other_rank_fail_naming_it(hub_server, tp_repo, tmp_path):
     hub_server.add_repo("org/tp", tp_repo)
     hub_server.throttle_bytes_per_s = 100e3  # slow enough that the exchange is still running when rank 3 dies
-    started = time.monotonic()
     results = _finish(_launch(hub_server, tp_repo, tmp_path, 4, kill={3: 1.0}), timeout=120)
     assert results[3][0] == 17  # the killed one
     for code, err in results[:3]:
         assert code != 0 and "TIMED OUT" not in err
         assert "rank(s) [3]" in err, err[-3000:]
-    assert time.monotonic() - started < 60 + 30  # killed 1 s into the exchange; 60 s to notice; start-up and planning
+    # counted from the death, not from the launch: start-up on a loaded machine is not what this bounds
+    killed_at = float((tmp_path / "rank3.killed_at").read_text())
+    assert time.time() - killed_at < 60 + 15  # the store timeout to notice, and the ranks' exits
 
 
 def test_a_file_that_changes_mid_load_fails_every_rank(hub_server, tp_repo, tmp_path):

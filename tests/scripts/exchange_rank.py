@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,13 @@ def main() -> None:
         from lowmem_hf.sources.exchange import CooperativeRanges
 
         first_wave = CooperativeRanges.before_submodule
-        timer = threading.Timer(args.kill_after, os._exit, (17,))
+        def die():
+            # when, for the test: the other ranks must notice within the store timeout of this moment
+            with open(os.path.join(args.out, f"rank{rank}.killed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os._exit(17)
+
+        timer = threading.Timer(args.kill_after, die)
 
         def before_submodule(self, name):  # the fault: die once the exchange is under way
             if not timer.is_alive():
