@@ -10,6 +10,6 @@ constant whose docstring names the releases it was checked against, so that:
   release found;
 - ``tests/test_layout.py`` refuses an upstream private name anywhere else in the package.
 
-The submodules import their upstream library at module level; import the one you need (``from .compat import
-transformers_api``), not this package, so that ``import lowmem_hf`` stays as cheap as ``import transformers``.
+This package imports nothing itself; each submodule imports its upstream library at module level, and only the
+stages that already need that library import it, so ``import lowmem_hf`` stays as cheap as ``import transformers``.
 """

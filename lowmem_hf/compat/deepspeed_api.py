@@ -20,8 +20,9 @@ def partition_without_broadcast() -> Iterator[None]:
     values. The broadcast therefore carries nothing, yet it moves the whole model to every rank (on the 2 GB Llama,
     1.6 of a 2.2 s load at 2 ranks, 3.1 of 3.4 s at 4) and leaves the freed full tensors resident in the receiving
     ranks' heaps (1.4-2.8x their partition bytes; ``benchmarks/bench_zero3.py``). Replacing that private method is
-    the only way to skip it: convert + partition instead, for the duration of the block only. Where a DeepSpeed release lacks either method, the block runs DeepSpeed's own unchanged (correct,
-    only slower): the broadcast values are overwritten by the load anyway.
+    the only way to skip it: convert + partition instead, for the duration of the block only. Where a DeepSpeed
+    release lacks either method, the block runs DeepSpeed's own unchanged (correct, only slower): the broadcast
+    values are overwritten by the load anyway.
     """
     from deepspeed.runtime.zero.partition_parameters import Init
 
