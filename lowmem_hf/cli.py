@@ -21,6 +21,7 @@ import tempfile
 from typing import Callable
 
 from .errors import UsageError
+from .settings import launcher_rank
 
 __all__ = ["main", "format_report", "UsageError", "COMMANDS"]
 
@@ -202,9 +203,9 @@ def _warm_page_cache(files: list[str]) -> bool:
 
 
 def _load(args) -> int:
-    if args.tp_size > 1 and "RANK" not in os.environ:
+    if args.tp_size > 1 and launcher_rank() is None:
         raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank() or 0
     prepared = _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
     from .sources.local import cached_fraction
 
@@ -225,7 +226,7 @@ def _load(args) -> int:
             "warmed_page_cache": warmed, "loads": runs,
         }, indent=2))
         return 0
-    tag = f"[rank {rank}] " if "RANK" in os.environ else ""
+    tag = f"[rank {rank}] " if launcher_rank() is not None else ""
     if downloaded:
         print(f"{tag}downloaded {downloaded} weight file(s) into the HF cache before timing, so both loads read them from there")
     if warmed:

@@ -13,7 +13,6 @@ possibly nothing, and FSDP2 pads internally); lowmem_hf reads exactly those shor
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -25,6 +24,7 @@ from transformers.distributed import DistributedConfig
 from .compat.torch_api import strided_split_factor
 from .compat.transformers_api import parameter_plan
 from .errors import UnsupportedArgumentError
+from .settings import launcher_world_size
 from .types import ShardSpec
 
 __all__ = [
@@ -75,9 +75,7 @@ def check_distributed_config(value: Any) -> DistributedConfig | None:
 def _world_size() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
+    return launcher_world_size()
 
 
 def _describe(config: DistributedConfig) -> str:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from transformers.utils.import_utils import is_env_variable_true
 
 from .hub import download
+from .settings import async_load
 from .types import Checkpoint
 
 __all__ = ["fetch_files", "FETCH_MODES", "DOWNLOAD_WORKERS"]
@@ -54,7 +54,7 @@ def fetch_files(
             tqdm_class=tqdm_class,
         )
 
-    if is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD"):  # transformers' switch: no thread started, as load.py reads it
+    if not async_load():  # transformers' switch: no thread started
         paths.update((p, one(p)) for p in todo)
         return paths
     executor = ThreadPoolExecutor(max_workers=min(DOWNLOAD_WORKERS, len(todo)), thread_name_prefix="lowmem-download")

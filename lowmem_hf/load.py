@@ -31,7 +31,6 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module, resolve_trust_remote_code
 from transformers.utils import CONFIG_NAME
-from transformers.utils.import_utils import is_env_variable_true
 
 from . import assign as _assign
 from . import zero3 as _zero3
@@ -57,6 +56,7 @@ from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_dcp, resolve_local
+from .settings import async_load, proc_status_bytes
 from .sources.exchange import CooperativeRanges
 from .sources.http import HttpRanges
 from .sources.local import GAP_BYTES, LocalFiles, cached_fraction
@@ -184,11 +184,6 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started, zero3=zero3)
 
 
-def async_load() -> bool:
-    """transformers' switch, read as it reads it: ``HF_DEACTIVATE_ASYNC_LOAD=1`` loads on the calling thread."""
-    return not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
-
-
 def _reads_local_files(request: LoadRequest, checkpoint) -> bool:
     """False when the tensor bytes come over HTTP ranges into memory (``fetch='ranges'``), never into a local file."""
     return not (checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS)
@@ -237,7 +232,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         checkpoint, plan, source, chunk_bytes=prepared.stream_chunk_bytes, weights_only=request.weights_only,
         mmap=request.mmap, stats=stats,
     )
-    peak_anon = _proc_status_bytes("RssAnon")
+    peak_anon = proc_status_bytes("RssAnon")
     workers = (source.workers or prepared.workers) if async_load() else 1
     try:
         for _, tensors, staged in stream(
@@ -246,7 +241,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
             into=functools.partial(_zero3.destination, model) if prepared.zero3 else None,
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info, in_place=prepared.zero3)
-            peak_anon = max(peak_anon, _proc_status_bytes("RssAnon"))
+            peak_anon = max(peak_anon, proc_status_bytes("RssAnon"))
     finally:
         if bar is not None:
             bar.close()
@@ -296,8 +291,8 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         model_bytes=_assign.model_nbytes(model),
         staging_bytes=stats.staging_bytes,
         wall_seconds=time.perf_counter() - prepared.started,
-        peak_rss_anon_bytes=max(peak_anon, _proc_status_bytes("RssAnon")),
-        peak_vm_hwm_bytes=_proc_status_bytes("VmHWM"),
+        peak_rss_anon_bytes=max(peak_anon, proc_status_bytes("RssAnon")),
+        peak_vm_hwm_bytes=proc_status_bytes("VmHWM"),
         notes=tuple(notes),
         shards=dict(plan.shards),
         commit=checkpoint.commit,
@@ -696,14 +691,3 @@ def _is_hub_repo(path: str, subfolder: str) -> bool:
             f"{path!r} is neither a local folder nor a Hub repo id ('org/name'). Check the path."
         ) from None
     return True
-
-
-def _proc_status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -17,11 +17,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
+
+from .settings import launcher_rank
 
 __all__ = ["logger", "show_info", "keep_on_stderr", "is_rank_zero", "log_load"]
 
@@ -81,7 +82,7 @@ def is_rank_zero() -> bool:
     """Rank 0 of the process group, or of torchrun's ``RANK`` before a group exists; True in one process."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
+    return launcher_rank() in (None, 0)
 
 
 def _names(keys, limit: int = 5) -> str:

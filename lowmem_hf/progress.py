@@ -9,18 +9,19 @@ huggingface_hub's own bars with the same class.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from huggingface_hub.utils import are_progress_bars_disabled
 from transformers.utils import logging as hf_logging
+
+from .settings import local_rank
 
 __all__ = ["progress_enabled", "byte_bar"]
 
 
 def progress_enabled() -> bool:
     """Whether this process may draw a bar: local rank 0, and no library switch turned bars off."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    if local_rank() != 0:
         return False
     return not are_progress_bars_disabled() and hf_logging.is_progress_bar_enabled()
 

@@ -22,6 +22,7 @@ import torch
 from .distributed import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
+from .settings import DEFAULT_SPAN_BYTES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
@@ -204,7 +205,7 @@ class LoadRequest:
     """Leave same-dtype CPU tensors with a contiguous slice as copy-on-write views of local safetensors files."""
     fetch: str = "files"
     """Hub loads: ``"files"`` (into the HF cache) or ``"ranges"`` (byte ranges into memory)."""
-    fetch_span_bytes: int = 16 * 1024 * 1024
+    fetch_span_bytes: int = DEFAULT_SPAN_BYTES
     """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
     verify_downloads: bool = True
     """Hub loads: hash each LFS file downloaded during the load against the sha256 the Hub publishes (its ETag)."""
@@ -399,7 +400,7 @@ def make_request(
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     mmap: bool = False,
     fetch: str = "files",
-    fetch_span_bytes: int = 16 * 1024 * 1024,
+    fetch_span_bytes: int = DEFAULT_SPAN_BYTES,
     verify_downloads: bool = True,
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from .formats import Reader, StreamStats
+from .settings import local_world_size
 from .sources import ByteSource
 from .sources.local import trim_heap
 from .types import ConversionRead, LoadPlan, SubmodulePlan, TensorRead
@@ -41,7 +42,7 @@ DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # From a cold disk the threads mostly wait on I/O: more of them keep more requests queued. The ranks of a
 # node share its cores (torchrun's LOCAL_WORLD_SIZE), so each gets its part.
-COLD_WORKERS = max(DEFAULT_WORKERS, min(8, 4 * (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+COLD_WORKERS = max(DEFAULT_WORKERS, min(8, 4 * (os.cpu_count() or 1) // local_world_size()))
 
 
 def choose_workers(cached: float | None) -> int:

@@ -14,7 +14,6 @@ Two modes:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,6 +22,7 @@ from transformers.distributed import DistributedConfig
 
 from .compat.transformers_api import resolve_parallel_plans
 from .distributed import set_up_mesh, specs_from_placements
+from .settings import launcher_world_size
 from .plan.sharding import check_head_divisibility, shard_specs
 from .types import ShardSpec
 
@@ -41,10 +41,6 @@ class TPRequest:
     """True: DTensors on a mesh with transformers' TP forward. False: plain local slices."""
     distributed_config: Any = None
     mesh_manager: Any = None
-
-
-def _under_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 def request_tp(
@@ -89,7 +85,7 @@ def request_tp(
         tp_size = device_mesh.size()
 
     group_ready = dist.is_available() and dist.is_initialized()
-    distributed = group_ready or device_mesh is not None or (_under_torchrun() and tp_rank is None)
+    distributed = group_ready or device_mesh is not None or (launcher_world_size() is not None and tp_rank is None)
     if not distributed:
         if tp_size is None or tp_rank is None:
             raise ValueError(
@@ -98,7 +94,7 @@ def request_tp(
             )
         return TPRequest(plan=plan, tp_size=tp_size, tp_rank=tp_rank, distributed=False)
 
-    world = dist.get_world_size() if group_ready else int(os.environ["WORLD_SIZE"])
+    world = dist.get_world_size() if group_ready else launcher_world_size()
     tp_size = world if tp_size is None else tp_size
     if tp_size != world:
         raise NotImplementedError(

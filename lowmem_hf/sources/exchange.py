@@ -46,13 +46,13 @@ import torch.distributed as dist
 from ..compat.torch_api import default_store
 from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
 from ..plan.sharding import element_runs
+from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
 from . import ByteSource
 from .http import HttpRanges
 
 __all__ = ["CooperativeRanges", "schedule_spans", "Schedule", "RankRuns", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
 
-DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 30.0
 _FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency

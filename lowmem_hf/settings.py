@@ -1,0 +1,58 @@
+"""What lowmem_hf reads from the environment, and the defaults more than one module shares: each in one place.
+
+Environment variables are read by functions, at the moment of use, as transformers and torchrun's users expect:
+a test or a launcher may set them after ``import lowmem_hf``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers.utils.import_utils import is_env_variable_true
+
+__all__ = [
+    "DEFAULT_SPAN_BYTES", "async_load", "launcher_rank", "launcher_world_size", "local_rank", "local_world_size",
+    "proc_status_bytes",
+]
+
+DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
+"""The largest byte range one request of a cooperative Hub fetch asks for (``fetch_span_bytes``)."""
+
+
+def async_load() -> bool:
+    """transformers' switch, read as it reads it: ``HF_DEACTIVATE_ASYNC_LOAD=1`` loads and downloads on the calling
+    thread, starting no thread."""
+    return not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
+
+
+def launcher_rank() -> int | None:
+    """torchrun's ``RANK``; None outside a launcher."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ else None
+
+
+def launcher_world_size() -> int | None:
+    """torchrun's ``WORLD_SIZE`` when a launcher set both ``RANK`` and ``WORLD_SIZE``; None outside a launcher."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+def local_rank() -> int:
+    """torchrun's ``LOCAL_RANK`` (0 outside a launcher): the process of a node that draws progress bars."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (1 outside a launcher): the ranks that share this node's cores."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def proc_status_bytes(field: str, pid: int | str = "self") -> int:
+    """One memory field of ``/proc/<pid>/status`` (``RssAnon``, ``VmHWM``...) in bytes; 0 where there is none
+    (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
