@@ -32,7 +32,7 @@ from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInf
 from .base import RangeReader, Reader, StreamStats
 
 __all__ = [
-    "DTYPES", "header_length", "parse_header", "read_header", "read_header_by_ranges", "SafetensorsReader", "open_reader",
+    "DTYPES", "TAGS", "encode_header", "header_length", "parse_header", "read_header", "read_header_by_ranges", "SafetensorsReader", "open_reader",
     "staging_bytes", "check_mmap",
 ]
 
@@ -55,6 +55,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "C64": torch.complex64,
 }
+# The same table read the other way, for writing.
+TAGS: dict[torch.dtype, str] = {dtype: tag for tag, dtype in DTYPES.items()}
 
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
@@ -113,6 +115,24 @@ def read_header_by_ranges(
         rest = fetch(read, 8 + header_len)
         raw, read = raw + rest, read + len(rest)
     return parse_header(raw, header_len=header_len, file_size=size, name=name), read
+
+
+def encode_header(items: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header (8-byte length + JSON padded to 8 bytes) for tensors stored in ``items`` order.
+
+    Computed from names, dtypes and shapes alone, so a writer can put the header first and then each tensor's bytes
+    at their offsets, one tensor at a time. The JSON is padded with spaces to a multiple of 8 bytes, as the
+    safetensors library pads it, so the data section starts 8-byte aligned.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dt, shape in items:
+        nbytes = dt.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": TAGS[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def header_length(prefix: bytes, size: int, name: str) -> int:
