@@ -262,7 +262,7 @@ def test_save_killed_halfway_leaves_no_index(tmp_path):
     torch.manual_seed(0)
     ARCHS["llama"]().save_pretrained(tmp_path / "src")
     script = textwrap.dedent(f"""
-        import os, lowmem_hf, lowmem_hf.save as save
+        import os, lowmem_hf, lowmem_hf.save.gathered as save
         model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained({str(tmp_path / 'src')!r})
         written = []
         real = save._pwrite_runs
