@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 import torch
-from safetensors.torch import save
+import transformers
+from safetensors.torch import load_file, save
+
+import lowmem_hf
 
 from lowmem_hf.formats.safetensors import DTYPES, TAGS, encode_header, parse_header
 
@@ -53,3 +57,16 @@ def test_the_header_is_byte_identical_to_what_the_safetensors_library_writes():
     assert header == written[: 8 + length]
     body = b"".join(TENSORS[name].contiguous().view(torch.uint8).numpy().tobytes() for name in order)
     assert header + body == written
+
+
+@pytest.mark.parametrize("layout", [{}, {"distributed_checkpoint": True}], ids=["gathered", "rank files"])
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.complex64], ids=str)
+def test_a_save_writes_every_dtype_the_format_stores_and_a_load_reads(tmp_path, dtype, layout):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16,
+    ))
+    model.register_buffer("extra", (torch.arange(6).reshape(2, 3) + 1).to(dtype))
+    lowmem_hf.save_pretrained(model, tmp_path, **layout)
+    [name] = [n for n in tmp_path.iterdir() if n.suffix == ".safetensors"]
+    assert torch.equal(load_file(name)["extra"], model.extra)

@@ -99,7 +99,7 @@ def entries_of(model: Any, out_dtype: torch.dtype | None) -> list[Entry]:
                 "(reduce a Partial tensor first)."
             )
         dt = out_dtype if out_dtype is not None and t.is_floating_point() else t.dtype
-        if dt not in TAGS or dt in (torch.uint16, torch.uint32, torch.uint64, torch.complex64):
+        if dt not in TAGS:
             raise ValueError(f"{name} is {dt}, which safetensors cannot store; pass dtype= a float dtype.")
         entries.append(Entry(name, t, dt))
     return entries
