@@ -236,7 +236,7 @@ def draw_memory_over_time(loads: list[dict], path: str, *, title: str) -> None:
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    ax.legend(fontsize=8, loc="best", ncol=2)
     fig.tight_layout()
     fig.savefig(path, format="png")
     pyplot.close(fig)
