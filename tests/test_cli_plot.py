@@ -58,3 +58,14 @@ def test_plot_without_matplotlib_names_the_extra_before_any_load(tmp_path):
         "lowmem-hf: error: --plot needs matplotlib (No module named matplotlib): pip install 'lowmem_hf[plot]'"
     ]
     assert not png.exists()
+
+
+def test_plan_imports_neither_the_measuring_harness_nor_matplotlib(make_checkpoint, tmp_path):
+    code = (
+        "import contextlib, io, json, sys\nfrom lowmem_hf import cli\n"
+        f"with contextlib.redirect_stdout(io.StringIO()):\n    status = cli.main(['plan', {make_checkpoint('llama', 'sharded')!r}, '--json'])\n"
+        "print(json.dumps([status, [m for m in ('lowmem_hf.measured_load', 'matplotlib') if m in sys.modules]]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, []]
