@@ -40,8 +40,7 @@ STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "VmSwap")
 
 def read_status(pid: int | str) -> dict[str, int]:
     """``STATUS_FIELDS`` of ``/proc/<pid>/status`` in kB. Raises OSError if the process is gone."""
-    status = proc_status(pid)
-    return {k: status[k] for k in STATUS_FIELDS if k in status}
+    return proc_status(pid, STATUS_FIELDS)
 
 
 def reset_peak_rss(pid: int) -> bool:
