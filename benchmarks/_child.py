@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from measure import PREFIX, read_proc_status  # stdlib-only sibling module
+from measure import PREFIX, read_proc_status  # sibling module: the harness
 
 
 def say(msg: str) -> None:

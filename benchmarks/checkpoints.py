@@ -254,3 +254,17 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Generate (or reuse) the benchmarks' Llama checkpoint; prints its folder.")
+    parser.add_argument("--size-gb", type=float, default=2.0, help="size in fp32, 1 GB = 1e9 bytes")
+    parser.add_argument("--dtype", default="float32", help="the stored dtype (float32, bfloat16, ...)")
+    parser.add_argument("--workdir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "_work"))
+    args = parser.parse_args()
+
+    import torch
+
+    print(make_llama_checkpoint(args.workdir, args.size_gb, getattr(torch, args.dtype)))

@@ -1,7 +1,7 @@
 """``lowmem-hf``: plan a load, measure one against transformers, or run an unchanged script with the switch on.
 
     lowmem-hf plan MODEL [--tp-size N] [--json] ...      what every rank will read, download and hold; no tensor read
-    lowmem-hf load MODEL [--compare-transformers] ...    a measured load in a fresh process (also under torchrun)
+    lowmem-hf load MODEL [--compare-transformers] [--plot FILE] ...   a measured load in a fresh process (also under torchrun)
     lowmem-hf run SCRIPT [ARGS...]                       every from_pretrained of SCRIPT through lowmem_hf
     lowmem-hf demo [--workdir DIR]                       build a small sharded Llama offline, load it, print the report
 
@@ -128,18 +128,29 @@ def _plan(args) -> int:
 def _load_parser(p: argparse.ArgumentParser) -> None:
     _model_options(p)
     p.add_argument("--compare-transformers", action="store_true", help="also load with transformers' from_pretrained, measured the same way")
+    p.add_argument("--plot", metavar="FILE", help="draw host memory over the time of each load into a PNG (needs lowmem_hf[plot])")
+
+
+def _check_plot(args) -> None:
+    """``--plot`` needs matplotlib: say so before any load, rather than after minutes of one."""
+    if args.plot is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise UsageError(f"--plot needs matplotlib ({error}): pip install 'lowmem_hf[plot]'") from None
 
 
 def _measured(args, loader: str) -> dict:
-    """One load in a fresh child process, memory sampled from here (see ``lowmem_hf.measure``)."""
-    from .measure import run_child
+    """One load in a fresh child process, memory sampled from here (see ``lowmem_hf.measured_load``)."""
+    from .measured_load import run_child
 
     argv = [
-        sys.executable, "-m", "lowmem_hf._load_child", args.model, "--loader", loader, "--auto-class", args.auto_class,
+        sys.executable, "-m", "lowmem_hf.measured_load", args.model, "--loader", loader, "--auto-class", args.auto_class,
         "--dtype", args.dtype, "--dtype-policy", args.dtype_policy, "--fetch", args.fetch, "--tp-size", str(args.tp_size),
     ] + (["--revision", args.revision] if args.revision else [])
     with tempfile.TemporaryFile("w+") as stderr:
-        result = run_child(argv, stderr=stderr)
+        result = run_child(argv, stderr=stderr, keep_series=args.plot is not None)
         if not result["ok"]:
             stderr.seek(0)
             tail = stderr.read().strip().splitlines()[-1:] or [result["error"]]
@@ -156,6 +167,7 @@ def _measured(args, loader: str) -> dict:
         "peak_rss_file_bytes": result["peak_rss_file_above_baseline_kb"] * 1024,
         "missing_keys": child["missing_keys"],
         "unexpected_keys": child["unexpected_keys"],
+        **({"series": [[t, anon * 1024, hwm * 1024] for t, anon, hwm in result["series"]]} if args.plot else {}),
     }
 
 
@@ -202,7 +214,21 @@ def _warm_page_cache(files: list[str]) -> bool:
     return True
 
 
+def _plot(args, runs: list[dict], rank: int) -> str:
+    """Draw the loads' series into ``--plot`` (under torchrun, each rank into its own file); returns the path."""
+    from .measured_load import draw_memory_over_time
+
+    path = args.plot
+    if launcher_rank() is not None:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.rank{rank}{ext}"
+    title = f"{os.path.basename(os.path.normpath(args.model))}, --dtype {args.dtype}: host memory during one load"
+    draw_memory_over_time(runs, path, title=title)
+    return path
+
+
 def _load(args) -> int:
+    _check_plot(args)
     if args.tp_size > 1 and launcher_rank() is None:
         raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
     rank = launcher_rank() or 0
@@ -220,10 +246,11 @@ def _load(args) -> int:
     for loader in ["lowmem"] + (["transformers"] if args.compare_transformers else []):
         fraction = cached_fraction(files) if files else None
         runs.append({**_measured(args, loader), "page_cache_fraction": fraction})
+    plotted = _plot(args, runs, rank) if args.plot else None
     if args.json:
         print(json.dumps({
             "model": args.model, "rank": rank, "downloaded_files": downloaded, "page_cache_fraction": initially,
-            "warmed_page_cache": warmed, "loads": runs,
+            "warmed_page_cache": warmed, "loads": runs, **({"plot": plotted} if plotted else {}),
         }, indent=2))
         return 0
     tag = f"[rank {rank}] " if launcher_rank() is not None else ""
@@ -255,6 +282,8 @@ def _load(args) -> int:
                 "when each load began, so the time ratio compares loads from different cache states"
                 + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
             )
+    if plotted:
+        print(f"{tag}memory over time drawn into {plotted}")
     return 0
 
 
