@@ -48,7 +48,7 @@ from .compat.torch_api import hf_rank_shard
 from .compat.transformers_api import keys_to_ignore_on_save
 from .distributed import local_intervals
 from .plan.dtypes import check_float_dtype, parse_dtype
-from .plan.sharding import box_runs
+from .runs import box_runs
 
 __all__ = ["save_pretrained"]
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, broken_rule
-from ..plan.sharding import box_runs, flat_box_runs, overlap, split_runs, wanted_box
+from ..runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ..sources import ByteSource
 from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from . import safetensors, torch_pickle

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CorruptCheckpointError, broken_rule
-from ..plan.sharding import element_runs
+from ..runs import element_runs
 from ..sources import ByteSource
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
 from .base import RangeReader, Reader, StreamStats

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Callable, Mapping
 import torch
 
 from ..errors import CorruptCheckpointError, broken_rule
-from ..plan.sharding import element_runs, slice_tensor
+from ..runs import element_runs, slice_tensor
 from ..sources import ByteSource
 from ..sources.local import LocalFiles
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
