@@ -325,16 +325,16 @@ def _check_config(config: Any) -> None:
 
 
 def _check_path_argument(argument: str, value: Any, *, expected: str, fix: str) -> None:
-    """A path argument (``subfolder``, ``cache_dir``) must be a ``str`` or ``os.PathLike``: anything else reached
-    ``os.path.join`` deep in the load as its ``TypeError``, naming no argument."""
+    """A path argument (``subfolder``, ``cache_dir``) must be a ``str`` or ``os.PathLike``: anything else would
+    reach ``os.path.join`` deep in the load as its ``TypeError``, naming no argument."""
     if not isinstance(value, (str, os.PathLike)):
         found = f"{type(value).__name__} {short_repr(value)}"
         raise ArgumentTypeError(f"{argument} must be {expected}, got {found}. {fix}", key=argument, expected=expected, found=found, fix=fix)
 
 
 def _check_generation_config(generation_config: Any) -> None:
-    """transformers copies it with ``generation_config.to_dict()`` after the weights are loaded: anything else was an
-    ``AttributeError`` from its generation utils at the very end of the load."""
+    """transformers copies it with ``generation_config.to_dict()`` after the weights are loaded: anything else would be
+    an ``AttributeError`` from its generation utils at the very end of the load."""
     from transformers import GenerationConfig
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):

@@ -8,10 +8,9 @@ ranges from any byte source is ``base.RangeReader`` (``SafetensorsReader``), whi
 Reading: ``preadv`` of the slice's byte ranges (or HTTP ranges). Same dtype on CPU: straight into the
 destination's memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` per
 worker thread (pinned when the destination is a CUDA device), converted by ``copy_`` chunk by chunk.
-(Converting straight from a mapping of the file saves that copy; on the 2 GB fp32 -> bf16 load, page-cache
-warm, it measured slower one day (0.75-0.83 s against 0.69-0.71 s) and 4-9% faster another (streaming
-0.47-0.50 s against 0.51-0.53 s). Not used: a file truncated while it is mapped kills the process with SIGBUS,
-where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is read at all: each becomes a
+(Converting straight from a mapping of the file saves that copy, but on the 2 GB fp32 -> bf16 load, page-cache
+warm, it is not reliably faster: across runs it measured from 17% slower to 9% faster. Not used: a file truncated
+while it is mapped kills the process with SIGBUS, where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is read at all: each becomes a
 copy-on-write view of its file, as in transformers (``check_mmap``).
 """
 
