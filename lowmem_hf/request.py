@@ -2,23 +2,21 @@
 
 All front ends fill the same request: the ``LowMemAutoModel*`` classes, the one-line switch that routes
 transformers' own ``from_pretrained`` calls here, and the CLI. ``make_request`` holds the one signature and
-the argument checks; nothing downstream re-reads raw keyword arguments.
+the argument checks; nothing downstream re-reads raw keyword arguments. What each argument means, and where it lands
+in the ``LoadRequest``, is ``arguments.ARGUMENTS`` (a test keeps the signature and the fields equal to it).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
 import os
 import re
-import textwrap
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
+from .arguments import NOT_IMPLEMENTED, transformers_defaults
 from .distributed import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
@@ -26,101 +24,7 @@ from .settings import DEFAULT_SPAN_BYTES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
-__all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request", "NOT_IMPLEMENTED"]
-
-# transformers' documented from_pretrained arguments whose behaviour lowmem_hf does not implement. Each raises
-# UnsupportedArgumentError naming it, rather than being silently dropped; the switch hands such calls to
-# transformers' own loader instead.
-NOT_IMPLEMENTED = {
-    "state_dict": "pass a folder saved with save_pretrained instead",
-    "quantization_config": "quantized loading is not supported; load in a float dtype",
-    "gguf_file": "GGUF files are not supported; convert to safetensors",
-    "max_memory": "lowmem_hf places the whole model on one device",
-    "offload_folder": "disk offload is not supported",
-    "offload_buffers": "disk offload is not supported",
-    "offload_state_dict": "disk offload is not supported",
-    "adapter_kwargs": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
-    "adapter_name": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
-    "use_kernels": "hub kernels are not supported",
-    "kernel_config": "hub kernels are not supported",
-    "allow_all_kernels": "hub kernels are not supported",
-    "fusion_config": "fusion patches are not supported",
-    "from_tf": "TensorFlow checkpoints are not supported",
-    "from_flax": "Flax checkpoints are not supported",
-    "mirror": "mirrors are not supported",
-}
-
-# Arguments whose value only matters when the path holds a PEFT adapter; lowmem_hf hands every adapter folder
-# to transformers (``load._reject_adapter``), so with no adapter any value leaves the load unchanged.
-_ONLY_WITH_AN_ADAPTER = frozenset({"adapter_name"})
-
-
-@dataclass(frozen=True)
-class TransformersDefaults:
-    """What transformers' ``PreTrainedModel.from_pretrained`` does with its arguments, read from its own code."""
-
-    defaults: Mapping[str, Any]
-    """Argument -> the value transformers uses when it is not passed (signature defaults and ``kwargs.pop``)."""
-    ignored: frozenset[str]
-    """Arguments transformers pops and drops whatever their value (``from_tf``, ``low_cpu_mem_usage``, ...)."""
-    falsy_is_default: frozenset[str]
-    """Arguments read as ``kwargs.pop(name, d) or d``: any falsy value means the default."""
-
-    def is_default(self, name: str, value: Any) -> bool:
-        """Whether passing ``name=value`` leaves transformers' behaviour as if it had not been passed."""
-        if name in self.ignored or name in _ONLY_WITH_AN_ADAPTER:
-            return True
-        if name not in self.defaults:
-            return False
-        default = self.defaults[name]
-        if value is default:
-            return True
-        if name in self.falsy_is_default and isinstance(value, (dict, list, tuple, type(None))) and not value:
-            return True
-        # the type check keeps 0 == False and 1 == True from passing for each other
-        return type(value) is type(default) and isinstance(value, (bool, int, float, str)) and value == default
-
-
-@functools.cache
-def transformers_defaults() -> TransformersDefaults:
-    """Read transformers' defaults from the source of its ``from_pretrained``, so they cannot drift from a
-    hand-written list: most arguments are not in its signature but popped from ``**kwargs`` in its body
-    (``kwargs.pop("offload_buffers", False)``), and some are popped and dropped in a loop. Nothing in
-    transformers exposes these as data, hence the parse."""
-    from transformers import PreTrainedModel
-
-    function = PreTrainedModel.__dict__["from_pretrained"].__func__
-    if function.__module__ != PreTrainedModel.__module__:
-        # the switch reads these before it replaces the method (patch_transformers), so this is a bug, not input
-        raise RuntimeError(f"transformers_defaults() read {function.__module__}.{function.__name__}, not transformers' own")
-    defaults: dict[str, Any] = {}
-    for name, parameter in inspect.signature(function).parameters.items():
-        if parameter.default is not inspect.Parameter.empty:
-            defaults[name] = parameter.default
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    ignored: set[str] = set()
-    falsy: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.For) and isinstance(node.iter, (ast.List, ast.Tuple)):
-            names = [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            if any(_is_kwargs_pop(call) for call in ast.walk(node)):
-                ignored.update(names)  # for name in [...]: kwargs.pop(name, None)
-        elif _is_kwargs_pop(node) and isinstance(node.args[0], ast.Constant):
-            try:
-                defaults[node.args[0].value] = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
-            except ValueError:
-                pass  # a default that is not a literal: no value can be known to equal it
-        elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-            falsy.update(v.args[0].value for v in node.values if _is_kwargs_pop(v) and isinstance(v.args[0], ast.Constant))
-    return TransformersDefaults(defaults=MappingProxyType(defaults), ignored=frozenset(ignored), falsy_is_default=frozenset(falsy))
-
-
-def _is_kwargs_pop(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "kwargs" and bool(node.args)
-    )
-
+__all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request"]
 
 
 @dataclass(frozen=True)
