@@ -4,7 +4,7 @@
 ``LowMemAutoModel*.from_pretrained`` docstring and ``docs/arguments.md`` are written from ``ARGUMENTS``;
 ``tests/test_arguments.py`` checks that the signature, ``LoadRequest``'s fields, the docstring and the page all
 agree with it, so an argument is added in one place and a test names the others. Regenerate the page with
-``python -m lowmem_hf.arguments --write-docs``.
+``python -m lowmem_hf.request --write-docs`` (the defaults come from the signature).
 
 Also what is known of transformers' own arguments: those lowmem_hf refuses (``NOT_IMPLEMENTED``) and the defaults
 transformers reads from its own code (``transformers_defaults``). Nothing here imports torch: ``import lowmem_hf``
@@ -13,11 +13,9 @@ stays cheap, and the page is written without a model stack.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import functools
 import inspect
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,6 @@ __all__ = [
     "transformers_defaults",
     "from_pretrained_doc",
     "arguments_page",
-    "signature_defaults",
     "DOCS_PAGE",
 ]
 
@@ -300,7 +297,7 @@ def arguments_page(defaults: Mapping[str, Any]) -> str:
     lines = [
         "# `from_pretrained` arguments",
         "",
-        "<!-- Written by `python -m lowmem_hf.arguments --write-docs` from `lowmem_hf/arguments.py`; edit that. -->",
+        "<!-- Written by `python -m lowmem_hf.request --write-docs` from `lowmem_hf/arguments.py`; edit that. -->",
         "",
         "`LowMemAutoModel*.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)` and "
         "`lowmem_hf.make_request` take the same arguments, with transformers' names and defaults where transformers "
@@ -335,36 +332,3 @@ def _default(value: Any) -> str:
 def _markdown(doc: str) -> str:
     """reStructuredText literals (double backticks, as in docstrings) as Markdown code spans."""
     return doc.replace("``", "`")
-
-
-def signature_defaults() -> dict[str, Any]:
-    """``make_request``'s defaults by argument name (imports torch: only for writing or checking the page)."""
-    from .request import make_request
-
-    return {
-        name: p.default for name, p in inspect.signature(make_request).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lowmem_hf.arguments --write-docs`` writes ``docs/arguments.md``; ``--check`` says whether it is
-    stale (exit status 1)."""
-    parser = argparse.ArgumentParser(prog="python -m lowmem_hf.arguments", description=main.__doc__)
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write-docs", action="store_true", help=f"write {DOCS_PAGE}")
-    action.add_argument("--check", action="store_true", help=f"exit 1 if {DOCS_PAGE} is not what --write-docs writes")
-    args = parser.parse_args(argv)
-    page = arguments_page(signature_defaults())
-    if args.check:
-        stale = not DOCS_PAGE.exists() or DOCS_PAGE.read_text() != page
-        print(f"{DOCS_PAGE} is {'stale: run python -m lowmem_hf.arguments --write-docs' if stale else 'current'}")
-        return int(stale)
-    DOCS_PAGE.parent.mkdir(parents=True, exist_ok=True)
-    DOCS_PAGE.write_text(page)
-    print(f"wrote {DOCS_PAGE}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

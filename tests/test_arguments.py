@@ -6,8 +6,8 @@ import inspect
 import pydoc
 
 from lowmem_hf import LowMemAutoModelBase, LowMemAutoModelForCausalLM, make_request
-from lowmem_hf.arguments import ARGUMENTS, DOCS_PAGE, SECTIONS, arguments_page, from_pretrained_doc, signature_defaults
-from lowmem_hf.request import LoadRequest
+from lowmem_hf.arguments import ARGUMENTS, DOCS_PAGE, SECTIONS, arguments_page, from_pretrained_doc
+from lowmem_hf.request import LoadRequest, signature_defaults
 
 _STARS = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
 
@@ -47,6 +47,6 @@ def test_help_of_from_pretrained_shows_every_argument_and_the_signature():
 
 
 def test_docs_arguments_md_is_what_the_table_writes():
-    fix = "run `python -m lowmem_hf.arguments --write-docs` and commit docs/arguments.md"
+    fix = "run `python -m lowmem_hf.request --write-docs` and commit docs/arguments.md"
     assert DOCS_PAGE.exists(), f"{DOCS_PAGE} is missing: {fix}"
     assert DOCS_PAGE.read_text() == arguments_page(signature_defaults()), f"{DOCS_PAGE} is stale: {fix}"
