@@ -239,7 +239,14 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
         infos[key] = info
         spans.append((begin, end, key))
 
-    spans.sort()
+    _check_offsets(invalid, sorted(spans), data_size=data_size, file_size=file_size, header_len=header_len)
+    return infos
+
+
+def _check_offsets(
+    invalid: Callable[..., Exception], spans: list[tuple[int, int, str]], *, data_size: int, file_size: int, header_len: int
+) -> None:
+    """The ``contiguous offsets`` and ``data section covered`` rules over the tensors' sorted ``(begin, end, key)``."""
     expected_begin, previous = 0, None
     for begin, end, key in spans:
         if begin != expected_begin:
@@ -261,7 +268,6 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
             "the data section", "data section covered", expected,
             f"{found}: {_plural(data_size - expected_begin, 'byte')} that no tensor covers (a wrong header length, or bytes appended)",
         )
-    return infos
 
 
 class SafetensorsReader(RangeReader):
