@@ -69,7 +69,8 @@ def __getattr__(name: str):
         value = getattr(_importlib.import_module(f".{module}", __name__), name)
         globals()[name] = value  # later reads are plain attribute lookups
         return value
-    # Submodules stay attributes of the package, as they were when this file imported them all eagerly.
+    # Submodules are attributes of the package (``lowmem_hf.plan``) without an import of their own, as for a package
+    # that imports them eagerly.
     if name in {m.name for m in _pkgutil.iter_modules(__path__)}:
         return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

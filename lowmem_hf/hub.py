@@ -463,7 +463,7 @@ def resolve_hub(
         todo = [n for n in names if _cached(repo_id, _repo_path(n, hub), commit, hub) is None]
         if len(todo) > 1:
             # each shard costs three requests in a row (HEAD, header length, header); with the Hub's per-request
-            # latency, shards one after another were most of the planning of a fetch="ranges" load
+            # latency, shards one after another would be most of the planning of a fetch="ranges" load
             def header(name: str):
                 planned_remote = planned(name)
                 return planned_remote, _remote_header(planned_remote, hub, shard_keys.get(name, ()))

@@ -57,7 +57,7 @@ def patch_transformers() -> _Patch:
         ...     model = AutoModelForCausalLM.from_pretrained("./my-llama", dtype=torch.bfloat16)
     """
     if not _originals:
-        from .request import transformers_defaults
+        from .arguments import transformers_defaults
 
         transformers_defaults()  # read from transformers' own from_pretrained, before it is replaced
         for cls in _classes_to_patch():

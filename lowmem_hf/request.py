@@ -2,23 +2,25 @@
 
 All front ends fill the same request: the ``LowMemAutoModel*`` classes, the one-line switch that routes
 transformers' own ``from_pretrained`` calls here, and the CLI. ``make_request`` holds the one signature and
-the argument checks; nothing downstream re-reads raw keyword arguments.
+the argument checks; nothing downstream re-reads raw keyword arguments. What each argument means, and where it lands
+in the ``LoadRequest``, is ``arguments.ARGUMENTS`` (a test keeps the signature and the fields equal to it).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
+import argparse
 import inspect
 import os
 import re
-import textwrap
+import sys
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 
+from .arguments import DOCS_PAGE, NOT_IMPLEMENTED, arguments_page, transformers_defaults
+from .device import load_device
 from .distributed import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
@@ -26,101 +28,7 @@ from .settings import DEFAULT_SPAN_BYTES
 from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
-__all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request", "NOT_IMPLEMENTED"]
-
-# transformers' documented from_pretrained arguments whose behaviour lowmem_hf does not implement. Each raises
-# UnsupportedArgumentError naming it, rather than being silently dropped; the switch hands such calls to
-# transformers' own loader instead.
-NOT_IMPLEMENTED = {
-    "state_dict": "pass a folder saved with save_pretrained instead",
-    "quantization_config": "quantized loading is not supported; load in a float dtype",
-    "gguf_file": "GGUF files are not supported; convert to safetensors",
-    "max_memory": "lowmem_hf places the whole model on one device",
-    "offload_folder": "disk offload is not supported",
-    "offload_buffers": "disk offload is not supported",
-    "offload_state_dict": "disk offload is not supported",
-    "adapter_kwargs": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
-    "adapter_name": "PEFT adapters are not supported; load the base model, then attach the adapter with peft",
-    "use_kernels": "hub kernels are not supported",
-    "kernel_config": "hub kernels are not supported",
-    "allow_all_kernels": "hub kernels are not supported",
-    "fusion_config": "fusion patches are not supported",
-    "from_tf": "TensorFlow checkpoints are not supported",
-    "from_flax": "Flax checkpoints are not supported",
-    "mirror": "mirrors are not supported",
-}
-
-# Arguments whose value only matters when the path holds a PEFT adapter; lowmem_hf hands every adapter folder
-# to transformers (``load._reject_adapter``), so with no adapter any value leaves the load unchanged.
-_ONLY_WITH_AN_ADAPTER = frozenset({"adapter_name"})
-
-
-@dataclass(frozen=True)
-class TransformersDefaults:
-    """What transformers' ``PreTrainedModel.from_pretrained`` does with its arguments, read from its own code."""
-
-    defaults: Mapping[str, Any]
-    """Argument -> the value transformers uses when it is not passed (signature defaults and ``kwargs.pop``)."""
-    ignored: frozenset[str]
-    """Arguments transformers pops and drops whatever their value (``from_tf``, ``low_cpu_mem_usage``, ...)."""
-    falsy_is_default: frozenset[str]
-    """Arguments read as ``kwargs.pop(name, d) or d``: any falsy value means the default."""
-
-    def is_default(self, name: str, value: Any) -> bool:
-        """Whether passing ``name=value`` leaves transformers' behaviour as if it had not been passed."""
-        if name in self.ignored or name in _ONLY_WITH_AN_ADAPTER:
-            return True
-        if name not in self.defaults:
-            return False
-        default = self.defaults[name]
-        if value is default:
-            return True
-        if name in self.falsy_is_default and isinstance(value, (dict, list, tuple, type(None))) and not value:
-            return True
-        # the type check keeps 0 == False and 1 == True from passing for each other
-        return type(value) is type(default) and isinstance(value, (bool, int, float, str)) and value == default
-
-
-@functools.cache
-def transformers_defaults() -> TransformersDefaults:
-    """Read transformers' defaults from the source of its ``from_pretrained``, so they cannot drift from a
-    hand-written list: most arguments are not in its signature but popped from ``**kwargs`` in its body
-    (``kwargs.pop("offload_buffers", False)``), and some are popped and dropped in a loop. Nothing in
-    transformers exposes these as data, hence the parse."""
-    from transformers import PreTrainedModel
-
-    function = PreTrainedModel.__dict__["from_pretrained"].__func__
-    if function.__module__ != PreTrainedModel.__module__:
-        # the switch reads these before it replaces the method (patch_transformers), so this is a bug, not input
-        raise RuntimeError(f"transformers_defaults() read {function.__module__}.{function.__name__}, not transformers' own")
-    defaults: dict[str, Any] = {}
-    for name, parameter in inspect.signature(function).parameters.items():
-        if parameter.default is not inspect.Parameter.empty:
-            defaults[name] = parameter.default
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    ignored: set[str] = set()
-    falsy: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.For) and isinstance(node.iter, (ast.List, ast.Tuple)):
-            names = [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            if any(_is_kwargs_pop(call) for call in ast.walk(node)):
-                ignored.update(names)  # for name in [...]: kwargs.pop(name, None)
-        elif _is_kwargs_pop(node) and isinstance(node.args[0], ast.Constant):
-            try:
-                defaults[node.args[0].value] = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
-            except ValueError:
-                pass  # a default that is not a literal: no value can be known to equal it
-        elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-            falsy.update(v.args[0].value for v in node.values if _is_kwargs_pop(v) and isinstance(v.args[0], ast.Constant))
-    return TransformersDefaults(defaults=MappingProxyType(defaults), ignored=frozenset(ignored), falsy_is_default=frozenset(falsy))
-
-
-def _is_kwargs_pop(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "kwargs" and bool(node.args)
-    )
-
+__all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request"]
 
 
 @dataclass(frozen=True)
@@ -222,86 +130,6 @@ class LoadRequest:
         return replace(self, hub=replace(self.hub, revision=commit))
 
 
-def _single_device(device: Any, device_map: Any) -> torch.device:
-    """The one device the model goes to, from ``device`` and/or a single-device ``device_map``.
-
-    With neither, the ambient device decides, exactly as in transformers (its own ``check_and_set_device_map``):
-    a ``with torch.device(...)`` block or ``torch.set_default_device(...)`` is the load device, ``"cuda"`` means
-    this process's ``LOCAL_RANK``, and ``meta`` raises transformers' ``RuntimeError``. A ``meta`` passed as
-    ``device`` or ``device_map`` is ``UnsupportedArgumentError`` (the switch hands ``device_map='meta'`` to
-    transformers, which builds a model with no weights).
-    """
-    chosen = _device_from(device, device_map)
-    if device is not None or device_map is not None:  # the ambient device fails as transformers fails on it
-        _check_available(chosen, f"device={short_repr(device)}" if device is not None else f"device_map={short_repr(device_map)}")
-    return chosen
-
-
-def _check_available(device: torch.device, shown: str) -> None:
-    """A device this torch build has (``torch.cuda.is_available()``...): else torch fails deep inside the load (an
-    ``AssertionError: Torch not compiled with CUDA enabled`` at the first allocation)."""
-    backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", None)
-    if device.type != "cpu" and callable(available) and not available():
-        raise ValueError(
-            f"{shown} is {device}, but this process has no {device.type} device (torch.{device.type}.is_available() is "
-            f"False; torch {torch.__version__}). Pass device='cpu', or run where {device.type} is available."
-        )
-
-
-def _device_from(device: Any, device_map: Any) -> torch.device:
-    given = device_map
-    if device is None:  # ``device`` is lowmem_hf's own argument; transformers knows only device_map
-        from transformers.integrations.accelerate import check_and_set_device_map
-
-        device_map = check_and_set_device_map(device_map)
-    if device_map is not None:
-        if isinstance(device_map, dict):
-            values = set(str(_parse_device(v, "device_map", given)) if v != "disk" else v for v in device_map.values())
-            if len(values) != 1:
-                raise UnsupportedArgumentError(
-                    "device_map",
-                    f"device_map={device_map!r} spreads the model over {sorted(values)}; lowmem_hf places the "
-                    "whole model on one device. Pass device='cuda:0' (or a one-device map like {'': 0}).",
-                )
-            mapped = next(iter(device_map.values()))
-        elif isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
-            raise UnsupportedArgumentError(
-                "device_map",
-                f"device_map={device_map!r} dispatches the model across devices, which lowmem_hf does not do. "
-                "Pass one device, e.g. device_map='cuda:0' or device='cpu'.",
-            )
-        else:
-            mapped = device_map
-        if mapped == "disk":
-            raise UnsupportedArgumentError("device_map", "device_map='disk' (disk offload) is not supported; load to 'cpu'.")
-        mapped = _parse_device(mapped, "device_map", given)
-        if device is not None and _parse_device(device, "device") != mapped:
-            raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them.")
-        return mapped
-    return _parse_device(device, "device") if device is not None else torch.device("cpu")
-
-
-def _parse_device(value: Any, argument: str, given: Any = None) -> torch.device:
-    """One device from ``device`` or a ``device_map`` value (an int is a CUDA index, as in transformers); ``given``
-    is the argument as the caller passed it, for the message."""
-    shown = short_repr(given if given is not None else value)
-    try:
-        device = torch.device(f"cuda:{value}" if isinstance(value, int) and not isinstance(value, bool) else value)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(
-            f"{argument}={shown} is not a device; pass 'cpu', 'cuda', 'cuda:0', a CUDA index or a torch.device."
-        ) from None
-    if device.type == "meta":
-        raise UnsupportedArgumentError(
-            argument,
-            f"{argument}={shown} would give a model with no weights, and lowmem_hf loads weights. For an empty model "
-            "use `with torch.device('meta'): AutoModelForCausalLM.from_config(config)`; to load, pass device='cpu' or "
-            "a CUDA device.",
-        )
-    return device
-
-
 def _check_config(config: Any) -> None:
     from transformers import PreTrainedConfig
 
@@ -325,16 +153,16 @@ def _check_config(config: Any) -> None:
 
 
 def _check_path_argument(argument: str, value: Any, *, expected: str, fix: str) -> None:
-    """A path argument (``subfolder``, ``cache_dir``) must be a ``str`` or ``os.PathLike``: anything else reached
-    ``os.path.join`` deep in the load as its ``TypeError``, naming no argument."""
+    """A path argument (``subfolder``, ``cache_dir``) must be a ``str`` or ``os.PathLike``: anything else would
+    reach ``os.path.join`` deep in the load as its ``TypeError``, naming no argument."""
     if not isinstance(value, (str, os.PathLike)):
         found = f"{type(value).__name__} {short_repr(value)}"
         raise ArgumentTypeError(f"{argument} must be {expected}, got {found}. {fix}", key=argument, expected=expected, found=found, fix=fix)
 
 
 def _check_generation_config(generation_config: Any) -> None:
-    """transformers copies it with ``generation_config.to_dict()`` after the weights are loaded: anything else was an
-    ``AttributeError`` from its generation utils at the very end of the load."""
+    """transformers copies it with ``generation_config.to_dict()`` after the weights are loaded: anything else would be
+    an ``AttributeError`` from its generation utils at the very end of the load."""
     from transformers import GenerationConfig
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -486,7 +314,7 @@ def make_request(
         dtype=requested,
         dtype_policy=dtype_policy,
         dtype_overrides=parse_overrides(dtype_overrides),
-        device=_single_device(device, device_map),
+        device=load_device(device, device_map),
         config=config,
         hub=HubOptions(
             revision=revision,
@@ -519,3 +347,34 @@ def make_request(
         tqdm_class=tqdm_class,
         checkpoint_format=checkpoint_format,
     )
+
+
+def signature_defaults() -> dict[str, Any]:
+    """``make_request``'s defaults by argument name, as ``docs/arguments.md`` shows them."""
+    return {
+        name: p.default for name, p in inspect.signature(make_request).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowmem_hf.request --write-docs`` writes ``docs/arguments.md`` from ``arguments.ARGUMENTS`` and
+    this signature's defaults; ``--check`` exits 1 where the page is stale."""
+    parser = argparse.ArgumentParser(prog="python -m lowmem_hf.request", description=main.__doc__)
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write-docs", action="store_true", help=f"write {DOCS_PAGE}")
+    action.add_argument("--check", action="store_true", help=f"exit 1 if {DOCS_PAGE} is not what --write-docs writes")
+    args = parser.parse_args(argv)
+    page = arguments_page(signature_defaults())
+    if args.check:
+        stale = not DOCS_PAGE.exists() or DOCS_PAGE.read_text() != page
+        print(f"{DOCS_PAGE} is {'stale: run python -m lowmem_hf.request --write-docs' if stale else 'current'}")
+        return int(stale)
+    DOCS_PAGE.parent.mkdir(parents=True, exist_ok=True)
+    DOCS_PAGE.write_text(page)
+    print(f"wrote {DOCS_PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -152,6 +152,25 @@ def weight_candidates(*, variant: str | None, use_safetensors: bool | None, expl
     return candidates
 
 
+def _weight_file(
+    directory: str, what: str, *, variant: str | None, use_safetensors: bool | None, explicit_filename: str | None
+) -> str:
+    """The first weight file (or index) of the accepted kinds that ``directory`` holds; ``what`` names it in errors."""
+    candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
+    paths = {c: inside_folder(c, directory, what=what) for c in candidates}  # before any file is looked at
+    found = next((c for c in candidates if os.path.isfile(paths[c])), None)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"No weights in {directory}: looked for {', '.join(candidates)}. "
+            + (
+                "Pass use_safetensors=None to also accept .bin files."
+                if use_safetensors
+                else "Check `variant` and `subfolder`, or save the model with save_pretrained."
+            )
+        )
+    return found
+
+
 def resolve_local(
     name_or_path: str,
     *,
@@ -187,20 +206,8 @@ def resolve_local(
             "pytorch_model.bin.index.json); check the path and `subfolder`."
         )
 
-    candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
     what = "config.json's transformers_weights names" if explicit_filename is not None else "The weight file is"
-    paths = {c: inside_folder(c, directory, what=what) for c in candidates}  # before any file is looked at
-    found = next((c for c in candidates if os.path.isfile(paths[c])), None)
-    if found is None:
-        raise CheckpointNotFoundError(
-            f"No weights in {directory}: looked for {', '.join(candidates)}. "
-            + (
-                "Pass use_safetensors=None to also accept .bin files."
-                if use_safetensors
-                else "Check `variant` and `subfolder`, or save the model with save_pretrained."
-            )
-        )
-
+    found = _weight_file(directory, what, variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
     header_bytes = 0
     path = _contained(found, directory, what=what)
     index_metadata: dict[str, Any] | None = None

@@ -28,7 +28,7 @@ from .formats import Reader, StreamStats
 from .settings import local_world_size
 from .sources import ByteSource
 from .sources.local import trim_heap
-from .types import ConversionRead, LoadPlan, SubmodulePlan, TensorRead
+from .types import ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo, TensorRead
 
 __all__ = [
     "stream", "staging_chunk_bytes", "choose_workers",
@@ -99,23 +99,7 @@ def stream(
 
     def submit(sub: SubmodulePlan) -> _InFlight:
         source.before_submodule(sub.name)  # the cooperative fetch runs its waves from here
-        tensors, pairs = {}, []
-        for r in sub.reads:
-            mapped = reader.view(r.source, r.decision.dtype, r.local_shape, r.shard, device)
-            if mapped is not None:
-                tensors[r.target] = mapped
-                reader.done(r.source, 0)
-                continue
-            dst = into(r) if into is not None else None
-            tensors[r.target] = dst if dst is not None else torch.empty(r.local_shape, dtype=r.decision.dtype, device=device)
-            pairs.append((r.source, tensors[r.target], r.shard))
-        staged = []
-        for c in sub.conversions:
-            # transformers converts on the sources cast to the target dtype; stage exactly that.
-            inputs = [torch.empty(i.shape, dtype=c.decision.dtype, device=device) for _, i in c.sources]
-            pairs += [(info, dst, None) for (_, info), dst in zip(c.sources, inputs)]
-            stats.staged(sum(t.numel() * t.element_size() for t in inputs))
-            staged.append((c, inputs))
+        tensors, pairs, staged = _destinations(sub, reader=reader, device=device, into=into, stats=stats)
         jobs = []
         for info, dst, shard in pairs:
             if hint is not None:
@@ -123,16 +107,6 @@ def stream(
             jobs += reader.jobs(info, dst, shard)
         futures = [pool.submit(job) for job in jobs] if pool is not None else jobs
         return _InFlight(sub, tensors, staged, pairs, futures, _read_bytes(sub))
-
-    def finish(item: _InFlight) -> None:
-        if pool is None:
-            for job in item.futures:
-                job()
-        else:
-            for future in item.futures:
-                future.result()  # re-raises the first error, e.g. a file truncated mid-load
-        for info, dst, _ in item.pairs:
-            reader.done(info, dst.numel() * info.dtype.itemsize)
 
     pending = collections.deque(plan.submodules)
     window: collections.deque[_InFlight] = collections.deque()
@@ -145,7 +119,7 @@ def stream(
                 ahead += item.nbytes if window else 0
                 window.append(item)
             head = window.popleft()
-            finish(head)
+            _finish(head, reader, threaded=pool is not None)
             if window:
                 ahead -= window[0].nbytes  # the next one becomes the head
             yield head.sub, head.tensors, head.staged
@@ -157,6 +131,45 @@ def stream(
             reader.close()
         finally:
             source.close()
+
+
+def _destinations(
+    sub: SubmodulePlan, *, reader: Reader, device: torch.device, into: Callable[[TensorRead], torch.Tensor | None] | None,
+    stats: StreamStats,
+) -> tuple[dict[str, torch.Tensor], list[tuple[TensorInfo, torch.Tensor, ShardSpec | None]], list[tuple[ConversionRead, list[torch.Tensor]]]]:
+    """Where each read of ``sub`` lands: the tensors by target (a view of the file where the reader makes one, else
+    ``into``'s memory or a fresh tensor), the ``(source, destination, shard)`` pairs to read, and each converter's
+    staged inputs."""
+    tensors, pairs = {}, []
+    for r in sub.reads:
+        mapped = reader.view(r.source, r.decision.dtype, r.local_shape, r.shard, device)
+        if mapped is not None:
+            tensors[r.target] = mapped
+            reader.done(r.source, 0)
+            continue
+        dst = into(r) if into is not None else None
+        tensors[r.target] = dst if dst is not None else torch.empty(r.local_shape, dtype=r.decision.dtype, device=device)
+        pairs.append((r.source, tensors[r.target], r.shard))
+    staged = []
+    for c in sub.conversions:
+        # transformers converts on the sources cast to the target dtype; stage exactly that.
+        inputs = [torch.empty(i.shape, dtype=c.decision.dtype, device=device) for _, i in c.sources]
+        pairs += [(info, dst, None) for (_, info), dst in zip(c.sources, inputs)]
+        stats.staged(sum(t.numel() * t.element_size() for t in inputs))
+        staged.append((c, inputs))
+    return tensors, pairs, staged
+
+
+def _finish(item: _InFlight, reader: Reader, *, threaded: bool) -> None:
+    """Wait for ``item``'s reads (or run them, without threads), then tell the reader what each read."""
+    if not threaded:
+        for job in item.futures:
+            job()
+    else:
+        for future in item.futures:
+            future.result()  # re-raises the first error, e.g. a file truncated mid-load
+    for info, dst, _ in item.pairs:
+        reader.done(info, dst.numel() * info.dtype.itemsize)
 
 
 def _read_bytes(sub: SubmodulePlan) -> int:

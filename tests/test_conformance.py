@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import lowmem_hf
 from lowmem_hf.patch import FallbackWarning
-from lowmem_hf.request import transformers_defaults
+from lowmem_hf.arguments import transformers_defaults
 from clients import require_client
 from test_equivalence import assert_same_model
 

@@ -1,4 +1,4 @@
-"""Errors carry their parts as fields and survive a pickle round trip; bad input that used to escape as an upstream
+"""Errors carry their parts as fields and survive a pickle round trip; bad input that would escape as an upstream
 error is a named lowmem_hf error naming the argument or file, what was expected, what was found and the fix."""
 
 import inspect

@@ -89,7 +89,7 @@ def test_a_file_cut_rewritten_or_replaced_mid_load_is_a_named_error_not_a_crash(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_file_another_process_holds_open_for_writing_loads_bit_identically(make_checkpoint, tmp_path, fmt, dtype):
     # A writer that has the files open (and writes nothing) changes nothing for the reads: no lease is needed
-    # (issue 25 kept preadv), so nothing waits on it or falls back, and the model is transformers' bit for bit.
+    # (reads are preadv, never a mapping a cut could kill), so nothing waits on it or falls back, and the model is transformers' bit for bit.
     import torch
     import transformers
 

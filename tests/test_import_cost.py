@@ -17,7 +17,7 @@ import lowmem_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What `import lowmem_hf` used to load eagerly: ~200 MiB of torch and transformers' modeling code.
+# What `import lowmem_hf` must not load eagerly: ~200 MiB of torch and transformers' modeling code.
 HEAVY = (
     "torch",
     "transformers.modeling_utils",

@@ -159,7 +159,7 @@ def test_a_folder_without_config_json_keeps_transformers_own_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# found by the property suite (tests/test_integrity_properties.py): raw exceptions that are now named
+# found by the property suite (tests/test_integrity_properties.py): raw upstream exceptions, each named here
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("changes, cause, field", [
     (dict(rope_scaling={"rope_type": "nonsense"}), "KeyError", r"rope_scaling=\{'rope_type': 'nonsense'\}"),
@@ -180,8 +180,8 @@ def test_config_values_that_break_building_the_model_name_the_file_and_the_field
 
 @pytest.mark.parametrize("field", ["num_hidden_layers", "intermediate_size"])
 def test_a_config_size_off_by_orders_of_magnitude_is_refused_while_building_not_a_hang(llama, field):
-    # was: the build on meta ran until the property suite's 60 s limit killed it (num_hidden_layers=10**12: a module
-    # per layer); transformers' own from_pretrained does the same, for hours
+    # unchecked, the build on meta runs until the property suite's 60 s limit kills it (num_hidden_layers=10**12: a
+    # module per layer); transformers' own from_pretrained does the same, for hours
     import time
 
     config_file = _edit_config(llama, **{field: 10**12})

@@ -515,7 +515,7 @@ INDEXES = {"sharded": "model.safetensors.index.json", "bin": "pytorch_model.bin.
     (b'\xff\xfe\x00{', "'utf-8' codec can't decode byte 0xff"),
 ], ids=["empty-weight-map", "metadata-not-an-object", "not-utf8"])
 def test_an_index_that_is_not_one_is_named(make_checkpoint, tmp_path, fmt, content, found):
-    # were: IndexError in resolve.py, ValueError from dict() in load.py, UnicodeDecodeError
+    # unchecked, each would escape raw: IndexError in resolve.py, ValueError from dict() in load.py, UnicodeDecodeError
     folder = tmp_path / fmt
     shutil.copytree(make_checkpoint("llama", fmt), folder)
     (folder / INDEXES[fmt]).write_bytes(content)
@@ -537,7 +537,7 @@ def test_an_index_that_maps_tensors_to_a_shard_that_lacks_them_is_refused_not_re
 
 
 def test_a_file_cut_on_the_hub_mid_load_by_ranges_is_named(hf_hub, make_checkpoint, tmp_path):
-    # the server's 416 for a range past the new end was a raw HfHubHTTPError
+    # the server's 416 for a range past the new end, unchecked, is a raw HfHubHTTPError
     from lowmem_hf import RemoteFileChangedError
 
     local = tmp_path / "repo"
@@ -556,7 +556,7 @@ def test_a_file_cut_on_the_hub_mid_load_by_ranges_is_named(hf_hub, make_checkpoi
 
 @pytest.mark.parametrize("status", [500, 503, 429])
 def test_ranges_retry_a_server_error_and_load_intact(hf_hub, make_checkpoint, tmp_path, status):
-    # was: the first 5xx of a range read was a raw HfHubHTTPError (the header reads and body reads alike)
+    # unretried, the first 5xx of a range read is a raw HfHubHTTPError (the header reads and body reads alike)
     import torch
 
     local = tmp_path / "repo"
@@ -586,8 +586,8 @@ def test_ranges_name_a_server_that_keeps_failing_or_lost_the_file(hf_hub, make_c
 
 @pytest.mark.parametrize("fault", ["cut", 503])
 def test_files_name_a_download_the_hub_never_delivers(hf_hub, make_checkpoint, tmp_path, fault):
-    # was: huggingface_hub's own httpx RemoteProtocolError (every body cut) or HfHubHTTPError (5xx on every try),
-    # naming the URL at best
+    # unnamed, it is huggingface_hub's own httpx RemoteProtocolError (every body cut) or HfHubHTTPError (5xx on every
+    # try), naming the URL at best
     local = tmp_path / "repo"
     shutil.copytree(make_checkpoint("llama", "sharded"), local)
     hf_hub.add_repo("org/llama", local)
@@ -608,7 +608,7 @@ def test_files_name_a_download_the_hub_never_delivers(hf_hub, make_checkpoint, t
 
 
 def test_a_head_answered_503_is_retried_and_one_that_keeps_failing_is_named(hf_hub, make_checkpoint, tmp_path):
-    # was: the first 503 of the HEAD that reads a shard's size and etag was a raw HfHubHTTPError (huggingface_hub
+    # unretried, the first 503 of the HEAD that reads a shard's size and etag is a raw HfHubHTTPError (huggingface_hub
     # retries neither it nor a download whose body stayed short)
     local = tmp_path / "repo"
     shutil.copytree(make_checkpoint("llama", "sharded"), local)

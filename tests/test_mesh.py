@@ -23,7 +23,7 @@ from transformers.distributed import DistributedConfig
 
 import lowmem_hf
 from lowmem_hf.distributed import local_intervals, strided_shard_indices
-from lowmem_hf.plan.sharding import interval_runs, slice_tensor
+from lowmem_hf.runs import interval_runs, slice_tensor
 from lowmem_hf.types import ShardSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -52,7 +52,7 @@ def _dcp_checkpoint(source: str, folder) -> str:
 
 @pytest.mark.parametrize("fmt", ["sharded", "bin", "dcp"])
 def test_bar_counts_every_byte_read_and_closes(make_checkpoint, tmp_path, fmt):
-    # dcp: the bar used to stay at 0 (its reader counted bytes past the bar)
+    # dcp: its reader counts its own bytes, which the bar must see too, or it stays at 0
     path = _dcp_checkpoint(make_checkpoint("llama", "sharded"), tmp_path / "dcp") if fmt == "dcp" else make_checkpoint("llama", fmt)
     _, report = _load(path)
     (bar,) = RecordingBar.made

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file
 
 import lowmem_hf
-from lowmem_hf.plan.sharding import box_runs, overlap
+from lowmem_hf.runs import box_runs, overlap
 
 ARCHS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(

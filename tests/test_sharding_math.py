@@ -7,12 +7,10 @@ from lowmem_hf.plan.sharding import (
     STYLE_SHARDING,
     UnsupportedStyleError,
     check_head_divisibility,
-    chunk_runs,
-    element_runs,
-    flat_box_runs,
     shard_specs,
     slice_bounds,
 )
+from lowmem_hf.runs import chunk_runs, element_runs, flat_box_runs
 from lowmem_hf.types import ShardSpec
 
 

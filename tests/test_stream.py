@@ -15,7 +15,7 @@ from lowmem_hf.errors import CorruptCheckpointError
 from lowmem_hf.formats import StreamStats
 from lowmem_hf.formats.base import byte_view
 from lowmem_hf.formats.torch_pickle import TorchReader
-from lowmem_hf.plan.sharding import chunk_spans
+from lowmem_hf.runs import chunk_spans
 from lowmem_hf.sources.local import GAP_BYTES, LocalFiles, cached_fraction
 from lowmem_hf.sources.local import release_pages as _release_pages
 from lowmem_hf.stream import COLD_WORKERS, DEFAULT_WORKERS

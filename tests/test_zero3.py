@@ -33,8 +33,8 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
 
 
 # gloo's exit-time abort (client_harness._end_process_group has the cause). The scripts end their group in order,
-# and still a DeepSpeed job aborted once at exit this way in CI: the plain run, without lowmem_hf, after training
-# and after writing its results (newest stack, 2026-11-27).
+# and still a DeepSpeed job can abort at exit this way in CI (seen on the newest stack): the plain run, without
+# lowmem_hf, after training and after writing its results.
 _GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 

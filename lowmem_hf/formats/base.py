@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..plan.sharding import chunk_runs, element_runs
+from ..runs import chunk_runs, element_runs
 from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
 

@@ -20,7 +20,7 @@ the Hub-format readers.
 Also ours: checking the metadata before any tensor byte is read, with the rules DCP applies to what it saves
 (``check_chunks``: every chunk a box inside its tensor, no two sharing an element), every byte range inside its
 file and no two overlapping, and every element this rank reads stored (``check_covered``); each ``.distcp`` item is
-checked as a ``.bin`` archive is (``torch_pickle.read_archive``), and ``shard-*`` files as any safetensors file.
+checked as a ``.bin`` archive is (``zip_archive.read_archive``), and ``shard-*`` files as any safetensors file.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, broken_rule
-from ..plan.sharding import box_runs, flat_box_runs, overlap, split_runs, wanted_box
+from ..runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ..sources import ByteSource
 from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
-from . import safetensors, torch_pickle
+from . import safetensors, torch_pickle, zip_archive
 from .base import Reader, SourceFile, Staging, StreamStats, byte_view
 
 __all__ = [
@@ -398,7 +398,7 @@ class DcpReader(Reader):
     def _locate(self, chunk: StoredChunk) -> _Located:
         """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed member. Read the
         archive's directory, its pickle and the member's local header (about 1 KiB), each checked as a ``.bin``
-        archive is (``torch_pickle.read_archive``), to find where they start; a tensor stored with other strides or
+        archive is (``zip_archive.read_archive``), to find where they start; a tensor stored with other strides or
         byte order is loaded whole instead (the minimal unit then)."""
         if chunk.raw:
             return _Located(chunk.byte_offset)
@@ -407,7 +407,7 @@ class DcpReader(Reader):
             return found
         where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
         view = SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
-        archive = torch_pickle.read_archive(view, name=where)
+        archive = zip_archive.read_archive(view, name=where)
         tensor = torch_pickle.unpickle_locations(view, archive, name=where)
         if not isinstance(tensor, torch_pickle.StoredTensor):
             raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
@@ -417,7 +417,7 @@ class DcpReader(Reader):
                 f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
                 f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
             )
-        if tensor.row_major and torch_pickle.byte_order(view, archive) == sys.byteorder:
+        if tensor.row_major and zip_archive.byte_order(view, archive) == sys.byteorder:
             located = _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
         else:
             whole = torch.load(

@@ -8,10 +8,9 @@ ranges from any byte source is ``base.RangeReader`` (``SafetensorsReader``), whi
 Reading: ``preadv`` of the slice's byte ranges (or HTTP ranges). Same dtype on CPU: straight into the
 destination's memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` per
 worker thread (pinned when the destination is a CUDA device), converted by ``copy_`` chunk by chunk.
-(Converting straight from a mapping of the file saves that copy; on the 2 GB fp32 -> bf16 load, page-cache
-warm, it measured slower one day (0.75-0.83 s against 0.69-0.71 s) and 4-9% faster another (streaming
-0.47-0.50 s against 0.51-0.53 s). Not used: a file truncated while it is mapped kills the process with SIGBUS,
-where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is read at all: each becomes a
+(Converting straight from a mapping of the file saves that copy, but on the 2 GB fp32 -> bf16 load, page-cache
+warm, it is not reliably faster: across runs it measured from 17% slower to 9% faster. Not used: a file truncated
+while it is mapped kills the process with SIGBUS, where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is read at all: each becomes a
 copy-on-write view of its file, as in transformers (``check_mmap``).
 """
 
@@ -26,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CorruptCheckpointError, broken_rule
-from ..plan.sharding import element_runs
+from ..runs import element_runs
 from ..sources import ByteSource
 from ..types import Checkpoint, CheckpointFormat, LoadPlan, ShardSpec, TensorInfo
 from .base import RangeReader, Reader, StreamStats
@@ -260,7 +259,14 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
         infos[key] = info
         spans.append((begin, end, key))
 
-    spans.sort()
+    _check_offsets(invalid, sorted(spans), data_size=data_size, file_size=file_size, header_len=header_len)
+    return infos
+
+
+def _check_offsets(
+    invalid: Callable[..., Exception], spans: list[tuple[int, int, str]], *, data_size: int, file_size: int, header_len: int
+) -> None:
+    """The ``contiguous offsets`` and ``data section covered`` rules over the tensors' sorted ``(begin, end, key)``."""
     expected_begin, previous = 0, None
     for begin, end, key in spans:
         if begin != expected_begin:
@@ -282,7 +288,6 @@ def parse_header(raw: bytes, *, header_len: int, file_size: int, name: str) -> d
             "the data section", "data section covered", expected,
             f"{found}: {_plural(data_size - expected_begin, 'byte')} that no tensor covers (a wrong header length, or bytes appended)",
         )
-    return infos
 
 
 class SafetensorsReader(RangeReader):

@@ -60,16 +60,7 @@ def make_plan(
         reads.append(TensorRead(target, info, decision, shards.get(target)))
 
     if mismatched and not ignore_mismatched_sizes:
-        lines = "\n".join(
-            f"  {target}: checkpoint {list(stored)} ({mapping.direct[target]} in "
-            f"{checkpoint.tensors[mapping.direct[target]].file}), model {list(wanted)}"
-            for target, stored, wanted in sorted(mismatched)
-        )
-        raise ShapeMismatchError(
-            f"{len(mismatched)} checkpoint tensor(s) do not fit the {type(model).__name__} built from the config:\n"
-            f"{lines}\nCheck that the config matches the checkpoint, or pass ignore_mismatched_sizes=True to "
-            "initialize these parameters instead of loading them (e.g. a new classification head)."
-        )
+        raise _mismatch_error(model, checkpoint, mapping, mismatched)
 
     conversions: list[ConversionRead] = []
     for first_target, (converter, sources) in mapping.converted.items():
@@ -97,6 +88,22 @@ def make_plan(
         dtype=policy.dtype,
         weight_conversions=mapping.used_transforms,
         shards=shards,
+    )
+
+
+def _mismatch_error(
+    model: Any, checkpoint: Checkpoint, mapping: KeyMapping, mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+) -> ShapeMismatchError:
+    """Every tensor whose stored shape does not fit its parameter, with the checkpoint key and file of each."""
+    lines = "\n".join(
+        f"  {target}: checkpoint {list(stored)} ({mapping.direct[target]} in "
+        f"{checkpoint.tensors[mapping.direct[target]].file}), model {list(wanted)}"
+        for target, stored, wanted in sorted(mismatched)
+    )
+    return ShapeMismatchError(
+        f"{len(mismatched)} checkpoint tensor(s) do not fit the {type(model).__name__} built from the config:\n"
+        f"{lines}\nCheck that the config matches the checkpoint, or pass ignore_mismatched_sizes=True to "
+        "initialize these parameters instead of loading them (e.g. a new classification head)."
     )
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ..formats.safetensors import encode_header
-from ..plan.sharding import box_runs
+from ..runs import box_runs
 from .agree import Failure, agree
 from .commit import SAFE_WEIGHTS_INDEX_NAME, Staging, pwrite_all, switch_gathered
 from .entries import Entry, as_shard, write_configs

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..compat.torch_api import default_store
 from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
-from ..plan.sharding import element_runs
+from ..runs import element_runs
 from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
 from . import ByteSource

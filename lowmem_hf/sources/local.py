@@ -313,9 +313,9 @@ def _populate(view: memoryview) -> None:
 
     A read into memory this process has not touched yet (a fresh parameter) takes each page's first fault inside
     the kernel's copy, one page at a time; ``MADV_POPULATE_WRITE`` takes them all in one call first. Measured on
-    the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), warm
-    (``bench_usable.py --cases fp32_st_to_fp32 --against b14faf7``, benchmarks/README.md): 0.56 s against 0.59 s in
-    one process, 0.68 s against 0.74 s at 2 TP ranks. Not for memory already touched (the staging buffers of a
+    the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), page-cache warm
+    (``bench_usable.py --cases fp32_st_to_fp32``, benchmarks/README.md), it saves about 5% of the load in one process
+    and about 8% at 2 TP ranks. Not for memory already touched (the staging buffers of a
     converted load): there it only walks the pages again, and a converted load was 10% slower with it. Only pages
     wholly inside ``view`` are touched, and their contents are not changed. Neither torch nor Python offers it.
     Where the kernel has no ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
@@ -340,8 +340,8 @@ def _populate(view: memoryview) -> None:
         _populate_works = True
     elif _populate_works is None and ctypes.get_errno() == errno.EINVAL:
         _populate_works = False  # the first ask refused: this kernel has no MADV_POPULATE_WRITE, stop asking
-    # Any other failure (memory the kernel will not populate, ENOMEM) leaves the faults to the copy, as before this
-    # hint existed; memory the read cannot fill fails the preadv itself, with its own error.
+    # Any other failure (memory the kernel will not populate, ENOMEM) leaves the faults to the copy: the hint only
+    # saves time; memory the read cannot fill fails the preadv itself, with its own error.
 
 
 def trim_heap() -> None:
