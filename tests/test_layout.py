@@ -351,8 +351,6 @@ _SPLIT = "being split (issue 32)"
 SIZE_EXCEPTIONS = {
     "lowmem_hf.load": _SPLIT,
     "lowmem_hf.load.execute": _SPLIT,
-    "lowmem_hf.save": _SPLIT,
-    "lowmem_hf.measure.run_children": _SPLIT,
     "lowmem_hf.hub": _SPLIT,
     "lowmem_hf.hub.download": _SPLIT,
     # edited on two other branches of issue 32 at once (the source table, the engines): split after they merge
