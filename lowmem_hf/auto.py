@@ -68,7 +68,7 @@ class LowMemAutoModelBase:
             tp_plan: tensor parallelism: ``"auto"`` (the model's own plan: ``_tp_plan`` merged with
                 ``config.base_model_tp_plan``) or a dict of rules overriding it. Under a process group (or
                 torchrun) the model is sharded by transformers' TP engine and each rank reads only its slices;
-                see ``lowmem_hf.tensor_parallel``.
+                see ``lowmem_hf.distributed.tp``.
             tp_size, tp_rank: default to the process group's. Without a group, both given: load only rank
                 ``tp_rank``'s slices as plain tensors (no TP forward); ``LoadReport.shards`` describes them.
             device_mesh: a 1-D tp mesh (its size must equal ``tp_size``), or an n-D mesh over every rank whose
@@ -78,7 +78,7 @@ class LowMemAutoModelBase:
                 fsdp_cpu_offload, fsdp_mixed_precision)`` (or a dict of its fields): the model is sharded by
                 transformers' own engine (TP, then FSDP2 ``fully_shard``), exactly as ``from_pretrained`` with the same
                 config does, and each rank reads only the bytes its DTensor placements own. ``pp_size``/``ep_size``
-                above 1 raise ``UnsupportedArgumentError``. See ``lowmem_hf.distributed``.
+                above 1 raise ``UnsupportedArgumentError``. See ``lowmem_hf.distributed.mesh``.
             tqdm_class: a tqdm-compatible class for the progress bar, as in transformers.
             fetch: for Hub repos: ``"files"`` downloads into the HF cache only the shard files this rank's plan
                 touches; ``"ranges"`` fetches only the planned byte ranges into memory and writes no shard to

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .distributed import check_distributed_config
+from .distributed.mesh import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .settings import DEFAULT_SPAN_BYTES
@@ -159,7 +159,7 @@ class TPOptions:
     tp_rank: int | None = None
     device_mesh: Any = None
     distributed_config: Any = None
-    """transformers' ``DistributedConfig`` (TP, FSDP2, HSDP replicas); see ``lowmem_hf.distributed``."""
+    """transformers' ``DistributedConfig`` (TP, FSDP2, HSDP replicas); see ``lowmem_hf.distributed.mesh``."""
 
     @property
     def requested(self) -> bool:
