@@ -152,7 +152,7 @@ class HubOptions:
 
 @dataclass(frozen=True)
 class TPOptions:
-    """Tensor-parallel arguments as given (validated against the process group in ``tensor_parallel.request_tp``)."""
+    """Tensor-parallel arguments as given (validated against the process group in ``distributed.tp.request_tp``)."""
 
     tp_plan: str | Mapping[str, str] | None = None
     tp_size: int | None = None

@@ -17,7 +17,7 @@ from .mesh import local_intervals, strided_shard_indices
 from .tp import TensorParallel
 from .zero3 import ZeroStage3
 
-__all__ = ["ENGINES", "Engine", "engine_for", "local_intervals", "strided_shard_indices"]
+__all__ = ["ENGINES", "Engine", "SingleDevice", "engine_for", "local_intervals", "strided_shard_indices"]
 
 ENGINES = (ZeroStage3, TensorParallel)
 """The engines in the order they are asked; the first whose ``claim`` returns one loads the model. ZeRO-3 comes

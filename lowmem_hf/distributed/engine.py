@@ -12,7 +12,7 @@
     notes += engine.notes()                             # what the report must say about the result
 
 ``SingleDevice`` is the default: every parameter whole, in fresh tensors. A new engine is a subclass in a module
-of its own, named in ``engine_for``'s table.
+of its own, named in the table ``engine_for`` asks (``ENGINES``, whose ``claim`` each engine answers).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ class Engine:
     """The validated tensor-parallel request (``TPRequest``) the model is sharded by; None without TP."""
     in_place: bool = False
     """Whether a read fills the parameter's own memory (``destination``), so assigning must keep the parameter."""
+
+    @classmethod
+    def claim(cls, tp: Any) -> Engine | None:
+        """This engine for the load, or None when the load is not this engine's (``engine_for`` asks each engine of
+        its table in turn). ``tp``: the validated tensor-parallel request, or None."""
+        return None
 
     @property
     def rank(self) -> int:

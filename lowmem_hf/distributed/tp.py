@@ -57,16 +57,7 @@ def request_tp(
     if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None and distributed_config is None:
         return None
     if distributed_config is not None or (device_mesh is not None and device_mesh.ndim > 1):
-        setup = set_up_mesh(model_class, distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size, device_mesh=device_mesh)
-        if setup is None:
-            return None
-        if tp_rank is not None and tp_rank != setup.tp_rank:
-            raise ValueError(f"tp_rank={tp_rank} but this process is rank {setup.tp_rank} of the tp mesh; omit tp_rank under a process group.")
-        plan = setup.config.tp_plan if setup.config.tp_plan is not None else "auto"
-        return TPRequest(
-            plan=plan, tp_size=setup.config.tp_size, tp_rank=setup.tp_rank, distributed=True,
-            distributed_config=setup.config, mesh_manager=setup.mesh_manager,
-        )
+        return _request_on_mesh(model_class, tp_plan, tp_size, tp_rank, device_mesh, distributed_config)
     plan = "auto" if tp_plan is None else tp_plan
     if plan != "auto" and not isinstance(plan, Mapping):
         raise ValueError(f"tp_plan must be 'auto' or a dict {{module_pattern: style}}, got {tp_plan!r}.")
@@ -109,6 +100,22 @@ def request_tp(
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is rank {rank} of the tp mesh; omit tp_rank under a process group.")
     return TPRequest(plan=plan, tp_size=tp_size, tp_rank=rank, distributed=True, distributed_config=config, mesh_manager=mesh_manager)
+
+
+def _request_on_mesh(
+    model_class: type, tp_plan: Any, tp_size: int | None, tp_rank: int | None, device_mesh: Any, distributed_config: Any
+) -> TPRequest | None:
+    """``request_tp`` for a ``distributed_config`` or an n-D ``device_mesh``: transformers' mesh over every rank."""
+    setup = set_up_mesh(model_class, distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size, device_mesh=device_mesh)
+    if setup is None:
+        return None
+    if tp_rank is not None and tp_rank != setup.tp_rank:
+        raise ValueError(f"tp_rank={tp_rank} but this process is rank {setup.tp_rank} of the tp mesh; omit tp_rank under a process group.")
+    plan = setup.config.tp_plan if setup.config.tp_plan is not None else "auto"
+    return TPRequest(
+        plan=plan, tp_size=setup.config.tp_size, tp_rank=setup.tp_rank, distributed=True,
+        distributed_config=setup.config, mesh_manager=setup.mesh_manager,
+    )
 
 
 def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], dict[str, str]]:

@@ -169,7 +169,8 @@ class ZeroStage3(Engine):
         return cls(tp_requested=tp is not None) if zero3_enabled() else None
 
     def build_context(self) -> ContextManager[Any]:
-        # transformers' init context is deepspeed.zero.Init: partitioned placeholders
+        # transformers builds under deepspeed.zero.Init by itself; this only spares the broadcast of values the
+        # load overwrites anyway
         return partition_without_broadcast()
 
     def shard(self, model_class: type, model: Any) -> tuple[Any, dict[str, ShardSpec]]:
