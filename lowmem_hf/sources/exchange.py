@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.torch_api import default_store
-from ..distributed.group import Failure, failure_error
+from ..distributed.group import Failure, failure_error, from_rank_zero
 from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
 from ..plan.sharding import element_runs
 from ..settings import DEFAULT_SPAN_BYTES
@@ -431,9 +431,8 @@ class WaveStatuses:
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._store = default_store()
         self._timeout_s = timeout_s
-        tag = [f"lowmem_hf/exchange/{time.time_ns()}"]
-        dist.broadcast_object_list(tag, src=0)
-        self._tag = tag[0]  # this load's store keys, unique per load
+        # this load's store keys, unique per load: rank 0's clock
+        self._tag = from_rank_zero(f"lowmem_hf/exchange/{time.time_ns()}", dist.group.WORLD)
 
     def report_failure(self, index: int, why: str) -> list[int]:
         """Post ``why`` as this rank's status of round ``index`` (the round the live ranks reach next) and return
