@@ -104,6 +104,12 @@ def agree(failure: Failure | None, group: Any, *, context: str, cause: BaseExcep
         The first failing rank's ``Failure.error`` (``RankFailedError`` by default; ``OSError`` with its ``errno``
         for a save), on every rank, with the message ``failure_error`` builds from every failing rank's text,
         ``from cause``.
+
+    Example (a save, where one rank's disk is full)::
+
+        failure = Failure(f"writing {path}: {e.strerror}", error=OSError, errno=e.errno) if e is not None else None
+        agree(failure, group, context="lowmem_hf.save_pretrained could not write the checkpoint", cause=e)
+        # every rank: OSError(ENOSPC, "lowmem_hf.save_pretrained could not write the checkpoint: rank 1: writing ...")
     """
     failures = [failure]
     if group is not None:
