@@ -138,7 +138,7 @@ ARGUMENTS: tuple[Argument, ...] = (
              "tensor parallelism: ``\"auto\"`` (the model's own plan: ``_tp_plan`` merged with "
              "``config.base_model_tp_plan``) or a dict of rules overriding it. Under a process group (or torchrun) the "
              "model is sharded by transformers' TP engine and each rank reads only its slices; see "
-             "``lowmem_hf.tensor_parallel``."),
+             "``lowmem_hf.distributed.tp``."),
     Argument("tp_size", "tp.tp_size", "distributed",
              "defaults to the process group's. Without a group, with ``tp_rank`` given too: load only rank "
              "``tp_rank``'s slices as plain tensors (no TP forward); ``LoadReport.shards`` describes them."),
@@ -152,7 +152,7 @@ ARGUMENTS: tuple[Argument, ...] = (
              "fsdp_mixed_precision)`` (or a dict of its fields): the model is sharded by transformers' own engine (TP, "
              "then FSDP2 ``fully_shard``), exactly as ``from_pretrained`` with the same config does, and each rank "
              "reads only the bytes its DTensor placements own. ``pp_size``/``ep_size`` above 1 raise "
-             "``UnsupportedArgumentError``. See ``lowmem_hf.distributed``."),
+             "``UnsupportedArgumentError``. See ``lowmem_hf.distributed.mesh``."),
     Argument("tqdm_class", "tqdm_class", "model", "a tqdm-compatible class for the progress bar, as in transformers."),
     Argument("checkpoint_format", "checkpoint_format", "what",
              "``\"dcp\"``: a sharded training checkpoint (``torch.distributed.checkpoint``); ``None``: detected from "

@@ -19,7 +19,7 @@ from .compat import torch_api
 from .compat import transformers_api as hf
 from .errors import IncompleteLoadError, ShapeMismatchError
 from .types import ConversionRead, DtypeDecision, LoadPlan
-from .zero3 import held
+from .distributed.zero3 import held
 
 __all__ = ["set_tensor", "assign_submodule", "finalize", "check_loaded", "model_nbytes"]
 

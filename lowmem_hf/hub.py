@@ -31,6 +31,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.file_download import repo_folder_name
 
+from .distributed.group import current_group, from_rank_zero, is_rank_zero
 from .errors import CheckpointNotFoundError, CorruptDownloadError, OutsideCheckpointError, RemoteFileChangedError
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, check_index_keys, check_real_path, describe_keys, is_index, parse_index, weight_candidates
@@ -82,7 +83,8 @@ def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
     """
     revision = revision or "main"
     _check_subfolder(repo_id, hub)
-    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    group = current_group()
+    shared = group is not None and dist.get_world_size() > 1
     commit, error = None, None
     try:
         commit = _commit_of(_download(repo_id, "config.json", revision, hub))
@@ -92,17 +94,18 @@ def pin_revision(repo_id: str, revision: str | None, hub: HubArgs) -> str:
         if error is not None:
             raise error
         return commit
-    box = [commit if error is None else None]
-    dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() == 0:
+    # rank 0 decides for all, so not ``group.agree``: rank 0 raises its own error unchanged, and another rank's
+    # failure is no failure of the load (it downloads again at rank 0's commit)
+    chosen = from_rank_zero(commit if error is None else None, group)
+    if is_rank_zero():
         if error is not None:
             raise error
         return commit
-    if box[0] is None:
+    if chosen is None:
         raise CheckpointNotFoundError(f"Rank 0 could not resolve {repo_id!r} at revision {revision!r}; see its error.")
-    if box[0] != commit:  # the branch moved between the ranks' requests, or this rank failed: rank 0's commit
-        _download(repo_id, "config.json", box[0], hub)
-    return box[0]
+    if chosen != commit:  # the branch moved between the ranks' requests, or this rank failed: rank 0's commit
+        _download(repo_id, "config.json", chosen, hub)
+    return chosen
 
 
 def _check_subfolder(repo_id: str, hub: HubArgs) -> None:

@@ -9,10 +9,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
-import functools
 import inspect
 import json
 import math
@@ -33,9 +31,10 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module, res
 from transformers.utils import CONFIG_NAME
 
 from . import assign as _assign
-from . import zero3 as _zero3
 from .compat import transformers_api as hf
-from .compat.deepspeed_api import partition_without_broadcast
+from .distributed import Engine, engine_for
+from .distributed import zero3 as _zero3
+from .distributed.tp import TPRequest, request_tp
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -61,7 +60,6 @@ from .sources.exchange import CooperativeRanges
 from .sources.http import HttpRanges
 from .sources.local import GAP_BYTES, LocalFiles, cached_fraction
 from .stream import choose_workers, staging_chunk_bytes, stream
-from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
 from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
 
 __all__ = ["PreparedLoad", "prepare", "execute", "load"]
@@ -80,12 +78,15 @@ class PreparedLoad:
     """This rank's reads, submodule by submodule, with dtype decisions and slices."""
     policy: DtypePolicy
     mapping: KeyMapping
-    tp: TPRequest | None
-    """The validated tensor-parallel request, ``None`` without TP."""
+    engine: Engine
+    """How the parameters are placed (``distributed.engine_for``): whole, TP/mesh shards, or ZeRO-3 partitions."""
     started: float
     """``time.perf_counter()`` when ``prepare`` began (the report's wall time counts from here)."""
-    zero3: bool = False
-    """DeepSpeed ZeRO-3: the skeleton's parameters are partitioned and each read fills this rank's partition in place."""
+
+    @property
+    def tp(self) -> TPRequest | None:
+        """The validated tensor-parallel request, ``None`` without TP."""
+        return self.engine.tp
 
     @property
     def stream_chunk_bytes(self) -> int:
@@ -118,7 +119,7 @@ class PreparedLoad:
         """What ``execute`` will read, download and hold on this rank (the dry run's numbers)."""
         return estimate_plan(
             self.model, self.plan, self.checkpoint,
-            rank=self.tp.tp_rank if self.tp is not None else 0,
+            rank=self.engine.rank,
             chunk_bytes=self.stream_chunk_bytes, workers=self.workers,
             cached=self.checkpoint.local_paths, fetch=self.request.fetch,
         )
@@ -144,7 +145,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
     model_class, config, model_kwargs = _resolve_class_and_config(request)
     _reject_quantized(config)
-    zero3 = _zero3.zero3_enabled()
+    engine = engine_for(tp_request)
     _reject_unknown({k: v for k, v in model_kwargs.items() if k not in _init_params(model_class)}, model_class=model_class, config=config)
     if request.attn_implementation is not None:
         hf.set_attn_implementation(config, request.attn_implementation)
@@ -156,32 +157,23 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     config, main_dtype = _decide_dtype(request, config, checkpoint)
     config.name_or_path = request.name_or_path
 
-    # 2. build on meta (under ZeRO-3, transformers' init context is deepspeed.zero.Init: partitioned placeholders)
-    with partition_without_broadcast() if zero3 else contextlib.nullcontext():
+    # 2. build on meta, in the engine's context
+    with engine.build_context():
         model = _build(request, model_class, config, main_dtype, model_kwargs, checkpoint)
 
-    # 3. plan (validated before any tensor byte is read); with TP, shard the skeleton with transformers' engine
-    shards = {}
-    if zero3:
-        shards = _zero3.partition_specs(model)
-    elif tp_request is not None:
-        if tp_request.distributed:
-            model, shards = distribute(model_class, model, tp_request)
-        else:
-            shards, _ = plan_shards(model, tp_request)
+    # 3. plan (validated before any tensor byte is read), on the skeleton as the engine shards it
+    model, shards = engine.shard(model_class, model)
     policy = DtypePolicy.for_model(model, mode=request.dtype_policy, dtype=main_dtype, overrides=request.dtype_overrides)
     mapping = map_checkpoint_keys(model, checkpoint.tensors, key_mapping=request.key_mapping)
-    if zero3:
-        _zero3.check_servable(converted=mapping.converted, tp_requested=tp_request is not None, mmap=request.mmap)
+    engine.check_servable(request, mapping)
     plan = make_plan(model, checkpoint, mapping, policy, ignore_mismatched_sizes=request.ignore_mismatched_sizes, shards=shards)
     _reject_empty_plan(plan, checkpoint, model, request.name_or_path)
-    if zero3:
-        plan = _zero3.retarget(plan, model)
+    plan = engine.retarget(plan, model)
     if checkpoint.format == CheckpointFormat.DCP:
         dcp.check_complete(model, plan, checkpoint)
     if request.mmap:
         check_mmap(plan, checkpoint_format=checkpoint.format, local=_reads_local_files(request, checkpoint), device=request.device)
-    return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started, zero3=zero3)
+    return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, engine=engine, started=started)
 
 
 def _reads_local_files(request: LoadRequest, checkpoint) -> bool:
@@ -238,9 +230,9 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         for _, tensors, staged in stream(
             plan, reader=reader, source=source, device=request.device, stats=stats, workers=workers,
             read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold,
-            into=functools.partial(_zero3.destination, model) if prepared.zero3 else None,
+            into=prepared.engine.destination(model),
         ):
-            _assign.assign_submodule(model, tensors, staged, loading_info, in_place=prepared.zero3)
+            _assign.assign_submodule(model, tensors, staged, loading_info, in_place=prepared.engine.in_place)
             peak_anon = max(peak_anon, proc_status_bytes("RssAnon"))
     finally:
         if bar is not None:
@@ -270,12 +262,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     notes = list(stats.notes) + [
         f"{src} duplicates {dst}; transformers keeps the first, so it was not read" for src, dst in prepared.mapping.duplicates
     ]
-    if prepared.tp is not None and not prepared.tp.distributed:
-        notes.append(
-            f"Loaded only rank {prepared.tp.tp_rank} of {prepared.tp.tp_size}'s slices as plain tensors (no process "
-            "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "
-            "wraps these shards; LoadReport.shards says how each parameter is sliced."
-        )
+    notes += prepared.engine.notes()
     report = LoadReport(
         missing_keys=frozenset(loading_info.missing_keys),
         unexpected_keys=frozenset(loading_info.unexpected_keys),

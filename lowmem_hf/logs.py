@@ -19,12 +19,11 @@ from __future__ import annotations
 import logging
 import sys
 
-import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
-from .settings import launcher_rank
+from .distributed.group import is_rank_zero
 
-__all__ = ["logger", "show_info", "keep_on_stderr", "is_rank_zero", "log_load"]
+__all__ = ["logger", "show_info", "keep_on_stderr", "log_load"]
 
 logger = logging.getLogger("lowmem_hf")
 _floor: int | None = None
@@ -76,13 +75,6 @@ def keep_on_stderr() -> None:
     global _stderr_only
     _stderr_only = True
     logger.propagate = False
-
-
-def is_rank_zero() -> bool:
-    """Rank 0 of the process group, or of torchrun's ``RANK`` before a group exists; True in one process."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return launcher_rank() in (None, 0)
 
 
 def _names(keys, limit: int = 5) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from .arguments import DOCS_PAGE, NOT_IMPLEMENTED, arguments_page, transformers_defaults
 from .device import load_device
-from .distributed import check_distributed_config
+from .distributed.mesh import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .settings import DEFAULT_SPAN_BYTES
@@ -60,14 +60,14 @@ class HubOptions:
 
 @dataclass(frozen=True)
 class TPOptions:
-    """Tensor-parallel arguments as given (validated against the process group in ``tensor_parallel.request_tp``)."""
+    """Tensor-parallel arguments as given (validated against the process group in ``distributed.tp.request_tp``)."""
 
     tp_plan: str | Mapping[str, str] | None = None
     tp_size: int | None = None
     tp_rank: int | None = None
     device_mesh: Any = None
     distributed_config: Any = None
-    """transformers' ``DistributedConfig`` (TP, FSDP2, HSDP replicas); see ``lowmem_hf.distributed``."""
+    """transformers' ``DistributedConfig`` (TP, FSDP2, HSDP replicas); see ``lowmem_hf.distributed.mesh``."""
 
     @property
     def requested(self) -> bool:

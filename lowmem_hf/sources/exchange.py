@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.torch_api import default_store
+from ..distributed.group import Failure, failure_error, from_rank_zero
 from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
 from ..runs import element_runs
 from ..settings import DEFAULT_SPAN_BYTES
@@ -423,15 +424,15 @@ class _Pieces:
 class WaveStatuses:
     """Each rank's status per round (one per wave, then a closing one), posted to the process group's store (see
     the module doc: a store wait has a timeout and names the missing rank, where a gloo receive from a dead peer
-    fails or hangs)."""
+    fails or hangs). So not ``group.agree``, whose ``all_gather_object`` has neither; the error every rank raises
+    for the statuses is the one ``agree`` would raise (``group.failure_error``)."""
 
     def __init__(self, *, timeout_s: float):
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._store = default_store()
         self._timeout_s = timeout_s
-        tag = [f"lowmem_hf/exchange/{time.time_ns()}"]
-        dist.broadcast_object_list(tag, src=0)
-        self._tag = tag[0]  # this load's store keys, unique per load
+        # this load's store keys, unique per load: rank 0's clock
+        self._tag = from_rank_zero(f"lowmem_hf/exchange/{time.time_ns()}", dist.group.WORLD)
 
     def report_failure(self, index: int, why: str) -> list[int]:
         """Post ``why`` as this rank's status of round ``index`` (the round the live ranks reach next) and return
@@ -460,13 +461,16 @@ class WaveStatuses:
                 f"(died or hung); the load is aborted on every rank. ({error})"
             ) from error
         statuses = {r: self._store.get(key + str(r)).decode() for r in range(self._world)}
-        failed = {r: s for r, s in statuses.items() if s != "ok"}
-        if not failed:
-            return
-        rank, why = min(failed.items())
-        if why.startswith("changed:"):
-            raise RemoteFileChangedError(f"rank {rank}: {why.removeprefix('changed:')}")
-        raise RankFailedError(f"cooperative fetch, {what}: rank {rank} failed: {why.removeprefix('error:')}")
+        failed = [(r, _failure(s)) for r, s in sorted(statuses.items()) if s != "ok"]
+        if failed:
+            raise failure_error(failed, context=f"cooperative fetch, {what}")
+
+
+def _failure(status: str) -> Failure:
+    """The ``Failure`` a rank's posted status stands for: a changed file is ``RemoteFileChangedError`` on every rank."""
+    if status.startswith("changed:"):
+        return Failure(status.removeprefix("changed:"), error=RemoteFileChangedError)
+    return Failure(status.removeprefix("error:"))
 
 
 def _call_now(fn, *args) -> Future:

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.distributed import DistributedConfig
 
-from .compat.torch_api import strided_split_factor
-from .compat.transformers_api import parameter_plan
-from .errors import UnsupportedArgumentError
-from .settings import launcher_world_size
-from .types import ShardSpec
+from ..compat.torch_api import strided_split_factor
+from ..compat.transformers_api import parameter_plan
+from ..errors import UnsupportedArgumentError
+from ..types import ShardSpec
+from .group import current_group, world_size
 
 __all__ = [
     "MeshSetup", "check_distributed_config", "set_up_mesh", "local_intervals", "strided_shard_indices", "specs_from_placements",
@@ -70,12 +69,6 @@ def check_distributed_config(value: Any) -> DistributedConfig | None:
                 f"use tp_size, fsdp_size and dp_replicate_size, or load with transformers.",
             )
     return value
-
-
-def _world_size() -> int | None:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return launcher_world_size()
 
 
 def _describe(config: DistributedConfig) -> str:
@@ -133,7 +126,7 @@ def set_up_mesh(
             "Pass either distributed_config or the standalone tp_plan/tp_size arguments, not both; set "
             "DistributedConfig(tp_size=..., tp_plan=...) instead (transformers refuses both too)."
         )
-    world = _world_size()
+    world = world_size()
     if world is None:
         raise ValueError(
             "distributed_config and an n-D device_mesh need a process group: run under torchrun (or call "
@@ -163,7 +156,7 @@ def set_up_mesh(
     if product == 1:
         return None
     if device_mesh is not None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if current_group() is None:
             raise ValueError("device_mesh given but no process group is initialized; create the mesh after init_process_group.")
         mesh_manager = _manager_from_mesh(device_mesh, config)
     else:

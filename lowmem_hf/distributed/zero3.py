@@ -11,7 +11,7 @@ parameter per rank. The partition arithmetic is DeepSpeed's, read off each param
 (``partition_numel()``, ``ds_numel``, the rank in ``ds_process_group``), so nothing here copies its constants.
 
 Every source serves partitions: a range of the flattened tensor is one byte range of a stored tensor (local files,
-the Hub's ``fetch="ranges"``), or the runs of the stored DCP chunks it spans (``plan.sharding.flat_box_runs``).
+the Hub's ``fetch="ranges"``), or the runs of the stored DCP chunks it spans (``runs.flat_box_runs``).
 
 Buffers are not partitioned: every rank reads them whole (transformers broadcasts rank 0's). What is missing from
 the checkpoint is initialized by transformers' own finishing step, which gathers it under ZeRO-3.
@@ -19,16 +19,19 @@ the checkpoint is initialized by transformers' own finishing step, which gathers
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from .errors import UnsupportedArgumentError
-from .types import DtypeDecision, LoadPlan, ShardSpec, SubmodulePlan, TensorRead
+from ..compat.deepspeed_api import partition_without_broadcast
+from ..errors import UnsupportedArgumentError
+from ..types import DtypeDecision, LoadPlan, ShardSpec, SubmodulePlan, TensorRead
+from .engine import Engine
 
-__all__ = ["zero3_enabled", "partition_specs", "check_servable", "retarget", "destination", "held"]
+__all__ = ["zero3_enabled", "partition_specs", "check_servable", "retarget", "destination", "held", "ZeroStage3"]
 
 STYLE = "zero3"
 
@@ -148,3 +151,36 @@ def destination(model: torch.nn.Module, read: TensorRead) -> torch.Tensor | None
 def held(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose memory this rank holds for ``t``: its partition under ZeRO-3, else ``t`` itself."""
     return t.ds_tensor if _partitioned(t) else t
+
+
+class ZeroStage3(Engine):
+    """DeepSpeed ZeRO-3: the skeleton built as partitioned placeholders, each read filling this rank's partition."""
+
+    in_place = True
+
+    def __init__(self, *, tp_requested: bool):
+        self.tp_requested = tp_requested
+        """Whether tensor parallelism was asked for too, which ``check_servable`` refuses."""
+
+    @classmethod
+    def claim(cls, tp: Any) -> ZeroStage3 | None:
+        """The engine when ZeRO-3 is enabled (``zero3_enabled``, which may refuse the load), whatever ``tp`` says;
+        None otherwise."""
+        return cls(tp_requested=tp is not None) if zero3_enabled() else None
+
+    def build_context(self) -> ContextManager[Any]:
+        # transformers builds under deepspeed.zero.Init by itself; this only spares the broadcast of values the
+        # load overwrites anyway
+        return partition_without_broadcast()
+
+    def shard(self, model_class: type, model: Any) -> tuple[Any, dict[str, ShardSpec]]:
+        return model, partition_specs(model)
+
+    def check_servable(self, request: Any, mapping: Any) -> None:
+        check_servable(converted=mapping.converted, tp_requested=self.tp_requested, mmap=request.mmap)
+
+    def retarget(self, plan: LoadPlan, model: torch.nn.Module) -> LoadPlan:
+        return retarget(plan, model)
+
+    def destination(self, model: torch.nn.Module) -> Callable[[TensorRead], torch.Tensor | None]:
+        return functools.partial(destination, model)

@@ -17,16 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch.distributed as dist
 from transformers.distributed import DistributedConfig
 
-from .compat.transformers_api import resolve_parallel_plans
-from .distributed import set_up_mesh, specs_from_placements
-from .settings import launcher_world_size
-from .plan.sharding import check_head_divisibility, shard_specs
-from .types import ShardSpec
+from ..compat.transformers_api import resolve_parallel_plans
+from ..plan.sharding import check_head_divisibility, shard_specs
+from ..types import ShardSpec
+from .engine import Engine
+from .group import current_group, world_size
+from .mesh import set_up_mesh, specs_from_placements
 
-__all__ = ["TPRequest", "request_tp", "plan_shards", "distribute"]
+__all__ = ["TPRequest", "request_tp", "plan_shards", "distribute", "TensorParallel"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def request_tp(
 ) -> TPRequest | None:
     """Validate the TP arguments and, in distributed mode, set up transformers' mesh. ``None``: no TP.
 
-    A ``distributed_config`` or an n-D ``device_mesh`` goes to ``distributed.set_up_mesh`` (TP x FSDP2 x HSDP).
+    A ``distributed_config`` or an n-D ``device_mesh`` goes to ``mesh.set_up_mesh`` (TP x FSDP2 x HSDP).
 
     Raises:
         ValueError: ``tp_rank >= tp_size``, a mesh whose size disagrees with ``tp_size``, a bad ``tp_plan``,
@@ -57,16 +57,7 @@ def request_tp(
     if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None and distributed_config is None:
         return None
     if distributed_config is not None or (device_mesh is not None and device_mesh.ndim > 1):
-        setup = set_up_mesh(model_class, distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size, device_mesh=device_mesh)
-        if setup is None:
-            return None
-        if tp_rank is not None and tp_rank != setup.tp_rank:
-            raise ValueError(f"tp_rank={tp_rank} but this process is rank {setup.tp_rank} of the tp mesh; omit tp_rank under a process group.")
-        plan = setup.config.tp_plan if setup.config.tp_plan is not None else "auto"
-        return TPRequest(
-            plan=plan, tp_size=setup.config.tp_size, tp_rank=setup.tp_rank, distributed=True,
-            distributed_config=setup.config, mesh_manager=setup.mesh_manager,
-        )
+        return _request_on_mesh(model_class, tp_plan, tp_size, tp_rank, device_mesh, distributed_config)
     plan = "auto" if tp_plan is None else tp_plan
     if plan != "auto" and not isinstance(plan, Mapping):
         raise ValueError(f"tp_plan must be 'auto' or a dict {{module_pattern: style}}, got {tp_plan!r}.")
@@ -84,8 +75,7 @@ def request_tp(
             raise ValueError(f"device_mesh has {device_mesh.size()} ranks but tp_size={tp_size}; pass one or make them agree.")
         tp_size = device_mesh.size()
 
-    group_ready = dist.is_available() and dist.is_initialized()
-    distributed = group_ready or device_mesh is not None or (launcher_world_size() is not None and tp_rank is None)
+    distributed = current_group() is not None or device_mesh is not None or (world_size() is not None and tp_rank is None)
     if not distributed:
         if tp_size is None or tp_rank is None:
             raise ValueError(
@@ -94,7 +84,7 @@ def request_tp(
             )
         return TPRequest(plan=plan, tp_size=tp_size, tp_rank=tp_rank, distributed=False)
 
-    world = dist.get_world_size() if group_ready else launcher_world_size()
+    world = world_size()
     tp_size = world if tp_size is None else tp_size
     if tp_size != world:
         raise NotImplementedError(
@@ -110,6 +100,22 @@ def request_tp(
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is rank {rank} of the tp mesh; omit tp_rank under a process group.")
     return TPRequest(plan=plan, tp_size=tp_size, tp_rank=rank, distributed=True, distributed_config=config, mesh_manager=mesh_manager)
+
+
+def _request_on_mesh(
+    model_class: type, tp_plan: Any, tp_size: int | None, tp_rank: int | None, device_mesh: Any, distributed_config: Any
+) -> TPRequest | None:
+    """``request_tp`` for a ``distributed_config`` or an n-D ``device_mesh``: transformers' mesh over every rank."""
+    setup = set_up_mesh(model_class, distributed_config=distributed_config, tp_plan=tp_plan, tp_size=tp_size, device_mesh=device_mesh)
+    if setup is None:
+        return None
+    if tp_rank is not None and tp_rank != setup.tp_rank:
+        raise ValueError(f"tp_rank={tp_rank} but this process is rank {setup.tp_rank} of the tp mesh; omit tp_rank under a process group.")
+    plan = setup.config.tp_plan if setup.config.tp_plan is not None else "auto"
+    return TPRequest(
+        plan=plan, tp_size=setup.config.tp_size, tp_rank=setup.tp_rank, distributed=True,
+        distributed_config=setup.config, mesh_manager=setup.mesh_manager,
+    )
 
 
 def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], dict[str, str]]:
@@ -142,3 +148,35 @@ def distribute(model_class: type, model: Any, request: TPRequest) -> tuple[Any, 
     specs = specs_from_placements(model, model.tp_plan if request.tp_size > 1 else None)
     check_head_divisibility(model.config, {n: s for n, s in specs.items() if s.tp_size > 1}, request.tp_size)
     return model, specs
+
+
+class TensorParallel(Engine):
+    """Tensor parallelism, and meshes beyond it (TP x FSDP2 x HSDP): the skeleton sharded by transformers' engine
+    into meta DTensors (distributed), or this rank's slices as plain tensors (``tp_rank``/``tp_size``, no group)."""
+
+    def __init__(self, tp: TPRequest):
+        self.tp = tp
+
+    @classmethod
+    def claim(cls, tp: TPRequest | None) -> TensorParallel | None:
+        """The engine for a load with a TP request; None without one."""
+        return cls(tp) if tp is not None else None
+
+    @property
+    def rank(self) -> int:
+        return self.tp.tp_rank
+
+    def shard(self, model_class: type, model: Any) -> tuple[Any, dict[str, ShardSpec]]:
+        if self.tp.distributed:
+            return distribute(model_class, model, self.tp)
+        shards, _ = plan_shards(model, self.tp)
+        return model, shards
+
+    def notes(self) -> list[str]:
+        if self.tp.distributed:
+            return []
+        return [
+            f"Loaded only rank {self.tp.tp_rank} of {self.tp.tp_size}'s slices as plain tensors (no process "
+            "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "
+            "wraps these shards; LoadReport.shards says how each parameter is sliced."
+        ]
