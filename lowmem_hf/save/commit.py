@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 
-from .agree import Failure, agree
+from .agree import Failure, agree, os_failure
 
 __all__ = [
     "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "STAGING", "Staging", "prepare_directory", "pwrite_all",
@@ -112,7 +112,7 @@ class Staging:
             return
         path = os.path.join(self.directory, name)
         if not isinstance(error, OSError):
-            self.failure, self.cause = Failure(None, f"{path}: {type(error).__name__}: {error}"), error
+            self.failure, self.cause = os_failure(None, f"{path}: {type(error).__name__}: {error}"), error
             return
         text = f"writing {path}: {error.strerror or error}"
         code = error.errno
@@ -123,7 +123,7 @@ class Staging:
             text += ". Pass a smaller max_shard_size." if self.max_shard_size_applies else "."
         elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
             text += f". Check the permissions of {self.directory}."
-        self.failure, self.cause = Failure(code, text), error
+        self.failure, self.cause = os_failure(code, text), error
 
     def _short_of_space(self, size: int | None) -> str:
         """What a full disk needs: the file, the whole checkpoint, and what was free when the save began."""
@@ -150,9 +150,9 @@ def prepare_directory(directory: str) -> Failure | None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        return Failure(e.errno, f"cannot create the save directory {directory}: {e.strerror or e}")
+        return os_failure(e.errno, f"cannot create the save directory {directory}: {e.strerror or e}")
     if not os.access(directory, os.W_OK | os.X_OK):
-        return Failure(errno.EACCES, f"the save directory {directory} is not writable by this process (check its permissions)")
+        return os_failure(errno.EACCES, f"the save directory {directory} is not writable by this process (check its permissions)")
     shutil.rmtree(os.path.join(directory, STAGING), ignore_errors=True)
     return None
 
@@ -289,7 +289,7 @@ def switch_rank_files(staging: Staging, group, rank: int, keep: set[str]) -> Non
             try:
                 action()
             except OSError as e:
-                failure = Failure(e.errno, f"moving the new files into {directory}: {e}")
+                failure = os_failure(e.errno, f"moving the new files into {directory}: {e}")
         agree(failure, group, what="switch to the new checkpoint", outcome="the folder may hold no complete checkpoint")
 
     def clear_old_rank_files() -> None:

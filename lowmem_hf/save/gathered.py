@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..formats.safetensors import encode_header
 from ..runs import box_runs
-from .agree import Failure, agree
+from .agree import agree, os_failure
 from .commit import SAFE_WEIGHTS_INDEX_NAME, Staging, pwrite_all, switch_gathered
 from .entries import Entry, as_shard, write_configs
 
@@ -136,5 +136,5 @@ def save_gathered(model: Any, directory: str, entries: list[Entry], group, rank:
         try:
             switch_gathered(staging, index)
         except OSError as e:
-            failure = Failure(e.errno, f"moving the new files into {directory}: {e}")
+            failure = os_failure(e.errno, f"moving the new files into {directory}: {e}")
     agree(failure, group, what="switch to the new checkpoint", outcome="the folder loads the old or the new checkpoint")
