@@ -50,7 +50,7 @@ from .hub import pin_revision, resolve_hub
 from .logs import log_load
 from .plan import DtypePolicy, KeyMapping, build_on_meta, make_plan, map_checkpoint_keys
 from .plan.dtypes import FLOAT_DTYPES
-from .plan.estimate import PlanEstimate, bytes_to_read, estimate_plan
+from .estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request

@@ -14,8 +14,8 @@ from typing import Iterable, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..formats import FORMATS
-from ..types import Checkpoint, CheckpointFormat, LoadPlan
+from .formats import FORMATS
+from .types import Checkpoint, CheckpointFormat, LoadPlan
 
 __all__ = ["PlanEstimate", "estimate_plan", "bytes_to_read", "final_bytes"]
 
