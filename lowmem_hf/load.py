@@ -1,10 +1,14 @@
-"""The recipe, in two halves: ``prepare`` (resolve, build on meta, plan: no tensor byte) and ``execute``.
+"""The recipe, in two halves: ``prepare`` (resolve, build on meta, plan: no tensor byte) and ``execute`` (choose the
+byte source, stream, finish, report).
 
-    prepared = prepare(request)     # one pinned revision, headers only, the skeleton, this rank's plan
-    model, report = execute(prepared)   # fetch, stream submodule by submodule, assign, finalize, prove
+    prepared = prepare(request)         # one pinned revision, headers only, the skeleton, this rank's plan
+    model, report = execute(prepared)   # fetch, stream submodule by submodule, assign, finalize, prove, report
 
-``from_pretrained`` is both; a dry run (``lowmem-hf plan``) is ``prepare`` alone. Everything model-specific
-(config classes, key renames, dtype rules, init, tying) is transformers' own.
+Each step is a call into its own module: ``routing`` (transformers' model class and config, the checkpoint's
+resolution), ``plan/`` (the skeleton on meta, the dtype policy, this rank's reads), ``fetch/`` (the byte source),
+``stream`` and ``assign``, ``report``. ``from_pretrained`` is both halves; a dry run (``lowmem-hf plan``) is
+``prepare`` alone. Everything model-specific (config classes, key renames, dtype rules, init, tying) is
+transformers' own.
 """
 
 from __future__ import annotations
@@ -17,14 +21,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from . import assign as _assign
 from . import zero3 as _zero3
 from .compat import transformers_api as hf
 from .compat.deepspeed_api import partition_without_broadcast
-from .fetch import fetch_files
+from .fetch.choose import FetchOptions, open_source, reads_local_files
 from .formats import StreamStats, dcp, open_reader
 from .formats.safetensors import check_mmap
 from .hub import pin_revision
@@ -35,17 +38,17 @@ from .plan.estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import LoadRequest
+from .report import report_of
 from .routing import (
     generation_config_source, init_params, is_hub_repo, reject_adapter, reject_quantized, reject_unknown,
     resolve_checkpoint, resolve_class_and_config,
 )
 from .settings import async_load, proc_status_bytes
-from .sources.exchange import CooperativeRanges
-from .sources.http import HttpRanges
-from .sources.local import GAP_BYTES, LocalFiles, cached_fraction
+from .sources import ByteSource
+from .sources.local import cached_fraction
 from .stream import choose_workers, staging_chunk_bytes, stream
 from .tensor_parallel import TPRequest, distribute, plan_shards, request_tp
-from .types import Checkpoint, CheckpointFormat, LoadPlan, LoadReport
+from .types import Checkpoint, CheckpointFormat, DtypeDecision, LoadPlan, LoadReport
 
 __all__ = ["PreparedLoad", "prepare", "execute", "load"]
 
@@ -75,7 +78,7 @@ class PreparedLoad:
         """The stream's chunk size: the requested one for HTTP ranges and DCP chunks, else capped so staging
         stays small next to what this rank loads (``staging_chunk_bytes``)."""
         checkpoint = self.checkpoint
-        if not _reads_local_files(self.request, checkpoint) or checkpoint.format == CheckpointFormat.DCP:
+        if not reads_local_files(checkpoint, self.request.fetch) or checkpoint.format == CheckpointFormat.DCP:
             return self.request.chunk_bytes
         return staging_chunk_bytes(self.plan, self.request.chunk_bytes, self.workers)
 
@@ -163,13 +166,8 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     if checkpoint.format == CheckpointFormat.DCP:
         dcp.check_complete(model, plan, checkpoint)
     if request.mmap:
-        check_mmap(plan, checkpoint_format=checkpoint.format, local=_reads_local_files(request, checkpoint), device=request.device)
+        check_mmap(plan, checkpoint_format=checkpoint.format, local=reads_local_files(checkpoint, request.fetch), device=request.device)
     return PreparedLoad(request=request, model=model, checkpoint=checkpoint, plan=plan, policy=policy, mapping=mapping, tp=tp_request, started=started, zero3=zero3)
-
-
-def _reads_local_files(request: LoadRequest, checkpoint) -> bool:
-    """False when the tensor bytes come over HTTP ranges into memory (``fetch='ranges'``), never into a local file."""
-    return not (checkpoint.remote and request.fetch == "ranges" and checkpoint.format == CheckpointFormat.SAFETENSORS)
 
 
 def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
@@ -180,23 +178,12 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         IncompleteLoadError: a post-condition failed; the model is never returned half-loaded.
     """
     request, model, checkpoint, plan = prepared.request, prepared.model, prepared.checkpoint, prepared.plan
-    hub = request.hub.as_kwargs()
 
-    # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory
-    fetched = not _reads_local_files(request, checkpoint)
-    if not fetched:
-        paths = checkpoint.local_paths
-        if checkpoint.repo_id is not None:
-            paths = fetch_files(checkpoint, plan.files, hub, verify=request.verify_downloads, tqdm_class=request.tqdm_class)
-        source = LocalFiles(paths, gap_bytes=0 if prepared.cold else GAP_BYTES, planned=checkpoint.identities)
-    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # under a process group the ranks fetch together: each byte once, in large spans (sources/exchange.py)
-        source = CooperativeRanges(
-            checkpoint.remote, plan, token=request.hub.token, local=checkpoint.local_paths,
-            span_bytes=request.fetch_span_bytes, synchronous=not async_load(),
-        )
-    else:
-        source = HttpRanges(checkpoint.remote, token=request.hub.token, local=checkpoint.local_paths)
+    # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory (the table in fetch/choose.py)
+    source = open_source(checkpoint, plan, FetchOptions(
+        fetch=request.fetch, cold=prepared.cold, hub=request.hub.as_kwargs(), verify=request.verify_downloads,
+        tqdm_class=request.tqdm_class, span_bytes=request.fetch_span_bytes, synchronous=not async_load(),
+    ))
 
     # 5. stream submodule by submodule, assigning each before reading the next
     # as in transformers, a mismatched key is not also missing: it was found, then set aside (and is initialized)
@@ -205,7 +192,28 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         missing_keys=set(model.state_dict()) - mismatched, unexpected_keys=set(plan.unexpected_keys),
         mismatched_keys=set(plan.mismatched_keys),
     )
-    # "fetching" for bytes over the network; DCP loads have always said it too (a slip this refactor keeps)
+    stats, workers, peak_anon = _stream_and_assign(prepared, source, loading_info)
+
+    # 6. finish as transformers does, then prove it
+    decisions = _finish(prepared, loading_info, mismatched)
+
+    # 7. report
+    report = report_of(
+        prepared, model, loading_info=loading_info, decisions=decisions, stats=stats, source=source, workers=workers,
+        peak_anon=peak_anon,
+    )
+    model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
+    log_load(type(model).__name__, request.name_or_path, report)
+    return model, report
+
+
+def _stream_and_assign(prepared: PreparedLoad, source: ByteSource, loading_info: Any) -> tuple[StreamStats, int, int]:
+    """Stream the plan from ``source`` into the model, assigning each submodule as it arrives; the stream's counters,
+    the reader threads it ran and the highest ``RssAnon`` sampled between submodules."""
+    request, model, checkpoint, plan = prepared.request, prepared.model, prepared.checkpoint, prepared.plan
+    # the bar says "fetching" for bytes that come over the network and for training checkpoints (DCP), "loading"
+    # for the weight files of a folder or of the HF cache
+    fetched = not reads_local_files(checkpoint, request.fetch)
     bar = byte_bar(
         bytes_to_read(plan), desc="fetching" if fetched or checkpoint.format == CheckpointFormat.DCP else "loading",
         tqdm_class=request.tqdm_class,
@@ -216,7 +224,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         mmap=request.mmap, stats=stats,
     )
     peak_anon = proc_status_bytes("RssAnon")
-    workers = (source.workers or prepared.workers) if async_load() else 1
+    workers = (source.policy.workers or prepared.workers) if async_load() else 1
     try:
         for _, tensors, staged in stream(
             plan, reader=reader, source=source, device=request.device, stats=stats, workers=workers,
@@ -228,8 +236,13 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     finally:
         if bar is not None:
             bar.close()
+    return stats, workers, peak_anon
 
-    # 6. finish as transformers does, then prove it
+
+def _finish(prepared: PreparedLoad, loading_info: Any, mismatched: set[str]) -> dict[str, DtypeDecision]:
+    """transformers' finishing steps (tie, buffers, init of what is missing, eval mode, generation config), then the
+    post-conditions; the dtype decisions they were checked against."""
+    request, model, checkpoint, plan = prepared.request, prepared.model, prepared.checkpoint, prepared.plan
     _assign.finalize(
         model, plan, loading_info, device=request.device, name_or_path=request.name_or_path,
         ignore_mismatched_sizes=request.ignore_mismatched_sizes, device_mesh=hf.device_mesh_of(model),
@@ -240,57 +253,12 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
     generation_source = generation_config_source(request, checkpoint)
     if model.can_generate() and hasattr(model, "adjust_generation_fn") and generation_source is not None:
         model.adjust_generation_fn(
-            request.generation_config, True, None, generation_source, trust_remote_code=request.trust_remote_code, **hub
+            request.generation_config, True, None, generation_source, trust_remote_code=request.trust_remote_code,
+            **request.hub.as_kwargs(),
         )
     decisions = decisions_of(plan)
     _assign.check_loaded(model, decisions, request.device)
-
-    if stats.band_extra_bytes:
-        stats.notes.append(
-            f"fetch='ranges': slices along dim 1 were fetched as whole row bands, one request per band instead of one "
-            f"per row; that cost {stats.band_extra_bytes} bytes beyond the slices ({stats.band_extra_bytes / 2**20:.1f} MiB)."
-        )
-    notes = list(stats.notes) + [
-        f"{src} duplicates {dst}; transformers keeps the first, so it was not read" for src, dst in prepared.mapping.duplicates
-    ]
-    if prepared.tp is not None and not prepared.tp.distributed:
-        notes.append(
-            f"Loaded only rank {prepared.tp.tp_rank} of {prepared.tp.tp_size}'s slices as plain tensors (no process "
-            "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "
-            "wraps these shards; LoadReport.shards says how each parameter is sliced."
-        )
-    report = LoadReport(
-        missing_keys=frozenset(loading_info.missing_keys),
-        unexpected_keys=frozenset(loading_info.unexpected_keys),
-        mismatched_keys=frozenset(loading_info.mismatched_keys),
-        error_msgs=tuple(loading_info.error_msgs),
-        checkpoint_format=checkpoint.format,
-        files_read=tuple(stats.files_read),
-        bytes_read=stats.bytes_read + checkpoint.header_bytes + stats.header_bytes,
-        header_bytes=checkpoint.header_bytes + stats.header_bytes,
-        dtype=plan.dtype,
-        dtype_policy=request.dtype_policy,
-        dtype_decisions=decisions,
-        model_bytes=_assign.model_nbytes(model),
-        staging_bytes=stats.staging_bytes,
-        wall_seconds=time.perf_counter() - prepared.started,
-        peak_rss_anon_bytes=max(peak_anon, proc_status_bytes("RssAnon")),
-        peak_vm_hwm_bytes=proc_status_bytes("VmHWM"),
-        notes=tuple(notes),
-        shards=dict(plan.shards),
-        commit=checkpoint.commit,
-        mapped_bytes=stats.mapped_bytes,
-        gap_bytes=source.gap_bytes_read,
-        reader_workers=workers,
-        chunk_bytes=prepared.stream_chunk_bytes,
-        page_cache_fraction=prepared.page_cache_fraction,
-        requests=source.requests,
-        bytes_fetched=source.bytes_fetched,
-        bytes_received=source.bytes_received,
-    )
-    model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
-    log_load(type(model).__name__, request.name_or_path, report)
-    return model, report
+    return decisions
 
 
 def load(request: LoadRequest):
