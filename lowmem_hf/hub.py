@@ -6,7 +6,7 @@ offline mode, the cache layout, locks and endpoints behave as everywhere else in
 
 Integrity: every file a Hub load opens is a path inside the repo (checked here, before it is looked up) and,
 symlinks followed, inside the repo's HF cache folder; every file downloaded is checked before anything reads it
-(``fetch.download``).
+(``fetch.cache.download``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .errors import CheckpointNotFoundError, OutsideCheckpointError
-from .fetch.download import HubArgs, cached_file, download, is_404, is_offline, not_found
+from .fetch.cache import HubArgs, cached_file, download, is_404, is_offline, not_found
 from .formats import safetensors, torch_pickle
 from .resolve import add_tensors, check_index_keys, describe_keys, is_index, parse_index, weight_candidates
 from .sources.http import HttpRanges, retry_hub_call

@@ -202,6 +202,8 @@ def init_params(model_class: type) -> set[str]:
 
 
 def reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) -> None:
+    """A keyword that is no from_pretrained argument, config attribute or ``__init__`` parameter is a typo, not an
+    override: a ``TypeError`` naming the closest valid name, as for any Python call."""
     if not unknown:
         return
     valid = set(inspect.signature(make_request).parameters) | set(NOT_IMPLEMENTED)
@@ -220,6 +222,9 @@ def reject_unknown(unknown: dict[str, Any], *, model_class: type, config: Any) -
 
 
 def resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Checkpoint:
+    """The checkpoint's files and tensors, from headers only: a training checkpoint (DCP), a Hub repo at the pinned
+    commit, or a local folder; the weight file is chosen as transformers chooses it (variant, use_safetensors,
+    ``config.transformers_weights``)."""
     selection = dict(
         variant=request.variant,
         use_safetensors=request.use_safetensors,
