@@ -97,7 +97,8 @@ class PreparedLoad:
 
     @property
     def cold(self) -> bool:
-        """Files mostly not in the page cache: the stream then announces its reads ahead to the kernel."""
+        """Files mostly not in the page cache: the stream then announces its reads ahead to the kernel, and the
+        local source reads through no gap (``LocalFiles.for_load``)."""
         return self.page_cache_fraction is not None and self.page_cache_fraction < 0.9
 
     def estimate(self) -> PlanEstimate:
