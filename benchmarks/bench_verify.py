@@ -5,7 +5,7 @@
 On the generated ~2 GB fp32 Llama (sharded safetensors, ``checkpoints.py``) it measures, each in fresh child
 processes, alternating so that noise falls on both sides alike:
 
-1. ``hash``: ``lowmem_hf.hub.file_sha256`` (what a load runs) over every shard, hot in the page cache, as a file is
+1. ``hash``: ``lowmem_hf.fetch.cache.file_sha256`` (what a load runs) over every shard, hot in the page cache, as a file is
    right after its download: seconds per GB (1e9 bytes).
 2. ``local``: a warm local load of the same folder with lowmem_hf (fp32 -> bf16, files in the page cache), the
    load the hashing is compared with: hashing the whole checkpoint / this load's time.
@@ -42,18 +42,18 @@ def child(args) -> int:
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported lazily by any loader: not timed)
 
     import lowmem_hf
-    import lowmem_hf.hub
+    import lowmem_hf.fetch.cache
 
     torch.set_num_threads(1)
     if args.child == "hash":
         files = sorted(str(f) for f in Path(args.path).iterdir() if f.suffix == ".safetensors")
         start = time.perf_counter()
         for f in files:
-            lowmem_hf.hub.file_sha256(f)
+            lowmem_hf.fetch.cache.file_sha256(f)
         result = {"seconds": time.perf_counter() - start, "bytes": sum(os.path.getsize(f) for f in files)}
     else:
         hashing = [0.0]
-        real = lowmem_hf.hub.file_sha256
+        real = lowmem_hf.fetch.cache.file_sha256
 
         def timed(path, **kw):
             t = time.perf_counter()
@@ -62,7 +62,7 @@ def child(args) -> int:
             finally:
                 hashing[0] += time.perf_counter() - t
 
-        lowmem_hf.hub.file_sha256 = timed
+        lowmem_hf.fetch.cache.file_sha256 = timed
         kwargs = {} if args.child == "local" else {"fetch": "files", "verify_downloads": args.verify == "1"}
         start = time.perf_counter()
         model = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(args.path, torch_dtype=torch.bfloat16, **kwargs)

@@ -86,7 +86,7 @@ def stream(
     ``reader`` (``formats.open_reader``) makes the reads, from ``source``; the stream runs them on ``workers``
     threads (1: on the calling thread, no thread started) and closes both when it ends. Reads of the following
     submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0, or a source
-    without ``read_ahead``: one submodule at a time); with ``read_ahead_hints`` (files not in the page cache) the
+    whose policy has no ``read_ahead``: one submodule at a time); with ``read_ahead_hints`` (files not in the page cache) the
     reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
     partition, filled in place); otherwise each read gets a fresh tensor. Nothing is kept between submodules but what the reader and
     source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
@@ -94,7 +94,7 @@ def stream(
     """
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
     hint = reader.hint if read_ahead_hints else None  # ~0.1 ms per call even when cached
-    if not source.read_ahead:
+    if not source.policy.read_ahead:
         read_ahead_bytes = 0
 
     def submit(sub: SubmodulePlan) -> _InFlight:

@@ -176,7 +176,7 @@ def _classify_error(error: BaseException) -> Outcome:
         return Outcome("named", text)
     if isinstance(error, ImportError) and not isinstance(error, ModuleNotFoundError):
         # transformers' own "X has been toggled on, but ... the package for X doesn't seem to be installed": lowmem_hf
-        # lets it through on purpose (load._load_config), it names the package
+        # lets it through on purpose (routing._load_config), it names the package
         return Outcome("named", text)
     package = os.path.dirname(os.path.abspath(lowmem_hf.__file__))
     frames = traceback.extract_tb(error.__traceback__)

@@ -17,7 +17,7 @@ import torch
 from huggingface_hub import snapshot_download
 
 import lowmem_hf
-import lowmem_hf.hub
+import lowmem_hf.fetch.cache
 from hub_server import HF_DEFAULT_LFS_PATTERNS
 from lowmem_hf.errors import CorruptDownloadError, HubConnectionError, OutsideCheckpointError, RemoteFileChangedError
 from lowmem_hf.request import make_request
@@ -226,8 +226,8 @@ def test_verify_downloads_false_skips_hashing(lfs_hub, make_checkpoint, monkeypa
     local = make_checkpoint("llama", "sharded")
     lfs_hub.add_repo("org/llama", local)
     hashed = []
-    real = lowmem_hf.hub.file_sha256
-    monkeypatch.setattr(lowmem_hf.hub, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
+    real = lowmem_hf.fetch.cache.file_sha256
+    monkeypatch.setattr(lowmem_hf.fetch.cache, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
 
     assert_same(Causal.from_pretrained("org/llama", verify_downloads=False), Causal.from_pretrained(local))
     assert hashed == []
@@ -240,8 +240,8 @@ def test_each_downloaded_file_is_hashed_once_and_cached_files_not_again(lfs_hub,
     local = make_checkpoint("llama", "sharded")
     lfs_hub.add_repo("org/llama", local)
     hashed = []
-    real = lowmem_hf.hub.file_sha256
-    monkeypatch.setattr(lowmem_hf.hub, "file_sha256", lambda path, **kw: hashed.append(os.path.basename(path)) or real(path, **kw))
+    real = lowmem_hf.fetch.cache.file_sha256
+    monkeypatch.setattr(lowmem_hf.fetch.cache, "file_sha256", lambda path, **kw: hashed.append(os.path.basename(path)) or real(path, **kw))
     Causal.from_pretrained("org/llama")
     assert sorted(hashed) == sorted(f for f in os.listdir(local) if f.endswith(".safetensors"))
     hashed.clear()

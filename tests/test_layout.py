@@ -349,10 +349,6 @@ _SPLIT = "being split (issue 32)"
 # {qualified name: reason}: what may stay above its limit, and why. An entry that is no longer above its limit fails
 # the test too, so the list only shrinks.
 SIZE_EXCEPTIONS = {
-    "lowmem_hf.load": _SPLIT,
-    "lowmem_hf.load.execute": _SPLIT,
-    "lowmem_hf.hub": _SPLIT,
-    "lowmem_hf.hub.download": _SPLIT,
     # edited on two other branches of issue 32 at once (the source table, the engines): split after they merge
     "lowmem_hf.hub.resolve_hub": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.sources.exchange": "edited by two branches of issue 32; split after they merge",

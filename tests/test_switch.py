@@ -88,7 +88,7 @@ def test_unsupported_argument_falls_back_with_exactly_one_warning(make_checkpoin
 def test_quantized_checkpoint_falls_back_to_transformers(make_checkpoint, tmp_path):
     # a config that declares quantization: lowmem_hf must not load it as if it were plain floats
     from lowmem_hf.errors import UnsupportedArgumentError
-    from lowmem_hf.load import _reject_quantized
+    from lowmem_hf.routing import reject_quantized as _reject_quantized
 
     config = transformers.LlamaConfig()
     config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}

@@ -8,7 +8,7 @@
     engine.check_servable(request, mapping)             # refuse what the engine cannot read into, before any I/O
     plan = engine.retarget(make_plan(...), model)       # the engine's last word on the plan
     stream(..., into=engine.destination(model))         # where each read lands
-    assign_submodule(..., in_place=engine.in_place)
+    assign_submodule(..., in_place=engine.in_place)   # (and build's names_config_errors)
     notes += engine.notes()                             # what the report must say about the result
 
 ``SingleDevice`` is the default: every parameter whole, in fresh tensors. A new engine is a subclass in a module
@@ -34,6 +34,9 @@ class Engine:
     """The validated tensor-parallel request (``TPRequest``) the model is sharded by; None without TP."""
     in_place: bool = False
     """Whether a read fills the parameter's own memory (``destination``), so assigning must keep the parameter."""
+    names_config_errors: bool = True
+    """Whether an error raised while the skeleton is built is blamed on the config value it names (``build``);
+    False where the build context raises errors of its own that no config value explains."""
 
     @classmethod
     def claim(cls, tp: Any) -> Engine | None:

@@ -143,9 +143,9 @@ class RangeReader(Reader):
         self._stats.opened(info.file)
         source, itemsize = self._source, info.dtype.itemsize
         runs = element_runs(info.shape, shard)
-        if source.band_reads and len(runs) > 1 and max(n for _, n in runs) * itemsize <= self._chunk_bytes:
+        if source.policy.band_reads and len(runs) > 1 and max(n for _, n in runs) * itemsize <= self._chunk_bytes:
             return self._band_jobs(info, dst, runs)
-        if source.gap_bytes_allowed and len(runs) > 1:
+        if source.policy.gap_bytes and len(runs) > 1:
             jobs = self._strided_jobs(info, dst, runs)
             if jobs is not None:
                 return jobs
@@ -179,13 +179,13 @@ class RangeReader(Reader):
     def _strided_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]] | None:
         """A source that reads through gaps (local files in the page cache), a slice that is equal runs at a fixed stride (a dim-1 slice: one run
         per row): bands of whole rows, each one ``preadv`` into staging and one strided ``copy_`` (converting)
-        into ``dst``. None where that does not apply (irregular runs, gaps over ``gap_bytes``, a row over
+        into ``dst``. None where that does not apply (irregular runs, gaps over the policy's ``gap_bytes``, a row over
         ``chunk_bytes``). Per-run reads cost a syscall and some Python per row, and with two ranks on two cores
         that Python holds the GIL against the thread assigning; this path has none per row."""
         first, n = runs[0]
         stride = runs[1][0] - first
         itemsize = info.dtype.itemsize
-        if (stride - n) * itemsize > self._source.gap_bytes_allowed or stride * itemsize > self._chunk_bytes or not dst.is_contiguous():
+        if (stride - n) * itemsize > self._source.policy.gap_bytes or stride * itemsize > self._chunk_bytes or not dst.is_contiguous():
             return None
         if any(src != first + i * stride or m != n for i, (src, m) in enumerate(runs)):
             return None
@@ -203,7 +203,7 @@ class RangeReader(Reader):
         return [functools.partial(band, r, min(r + per_band, rows)) for r in range(0, rows, per_band)]
 
     def _band_jobs(self, info: TensorInfo, dst: torch.Tensor, runs: list[tuple[int, int]]) -> list[Callable[[], None]]:
-        """``band_reads`` sources (HTTP): a slice of several runs (a dim-1 slice: one per row) is fetched as bands
+        """Sources whose policy has ``band_reads`` (HTTP): a slice of several runs (a dim-1 slice: one per row) is fetched as bands
         of whole rows, one request per band of at most ``chunk_bytes`` (or one run), and only its runs are kept.
         Per-row requests would cost one round trip per row; the bytes between the runs are the price, counted in
         ``band_extra_bytes``."""

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat.transformers_api import keys_to_ignore_on_save
+from ..distributed.group import current_group
 from ..formats.safetensors import TAGS
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def group_of(model: Any):
                     "lowmem_hf.save_pretrained saves 1-D tensor-parallel models. Use transformers' save_pretrained."
                 )
             return mesh.get_group()
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return current_group()
 
 
 def refuse_local_slices(model: Any) -> None:

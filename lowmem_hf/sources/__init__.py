@@ -12,16 +12,16 @@ the source decides how the bytes arrive:
 
 from __future__ import annotations
 
-__all__ = ["ByteSource"]
+from dataclasses import dataclass
+
+__all__ = ["ByteSource", "ReadPolicy"]
 
 
-class ByteSource:
-    """The protocol every byte source keeps. A default here is what a source without that capability does.
-
-    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
-    calls ``before_submodule``, honours ``read_ahead`` and ``workers``, and calls ``close`` once every read is
-    done; the load report reads the counters.
-    """
+@dataclass(frozen=True)
+class ReadPolicy:
+    """How the stream and the readers read from one source. Each source decides its own, from what it is told when
+    it is made (local files: whether they are in the page cache); the default is what a source with no preference
+    gets."""
 
     workers: int | None = None
     """Reader threads this source wants; None: as many as suit local files (``stream.choose_workers``)."""
@@ -30,8 +30,20 @@ class ByteSource:
     band_reads: bool = False
     """Read a slice of many short runs (a dim-1 slice: one per row) as bands of whole rows, one ``read`` per
     band, dropping the bytes between the runs: for sources where each ``read`` costs a request."""
-    gap_bytes_allowed: int = 0
+    gap_bytes: int = 0
     """Largest gap between two runs that one read may read through and drop (0: each run is its own read)."""
+
+
+class ByteSource:
+    """The protocol every byte source keeps. A default here is what a source without that capability does.
+
+    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
+    calls ``before_submodule``, follows ``policy``, and calls ``close`` once every read is done; the load report
+    reads the counters.
+    """
+
+    policy: ReadPolicy = ReadPolicy()
+    """How this source is read (threads, read-ahead, bands, gaps)."""
 
     # Counters, for the load report.
     requests: int = 0
@@ -57,8 +69,8 @@ class ByteSource:
         makes this source's reads cheaper."""
 
     def count_gap(self, nbytes: int) -> None:
-        """Count ``nbytes`` a reader read between runs and dropped (sources with ``gap_bytes_allowed`` only)."""
-        raise NotImplementedError(f"{type(self).__name__} reads no gaps (gap_bytes_allowed is 0)")
+        """Count ``nbytes`` a reader read between runs and dropped (sources whose ``policy.gap_bytes`` is not 0 only)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no gaps (its policy.gap_bytes is 0)")
 
     def will_need(self, file: str, start: int, stop: int) -> None:
         """A hint: ``[start, stop)`` of ``file`` will be read soon (files not in the page cache)."""

@@ -49,7 +49,7 @@ from ..errors import LowMemError, RankFailedError, RemoteFileChangedError
 from ..runs import element_runs
 from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
-from . import ByteSource
+from . import ByteSource, ReadPolicy
 from .http import HttpRanges
 
 __all__ = ["CooperativeRanges", "schedule_spans", "Schedule", "RankRuns", "DEFAULT_SPAN_BYTES", "DEFAULT_WAVE_BYTES"]
@@ -209,11 +209,10 @@ def wave_span_bytes(span_bytes: int, world: int) -> int:
 class CooperativeRanges(ByteSource):
     """The byte source of a cooperative fetch (see the module doc): ``read(file, view, offset)`` from the wave."""
 
-    read_ahead = False  # a wave's spans are dropped when the next wave starts: the stream must not run ahead
-    workers = 2  # reads are copies out of memory
-    # A rank holds only the bytes its runs cover, not the other ranks' parts of a row: every read must be one of
-    # its runs (a read is a copy out of memory, so one per row costs no request, unlike HttpRanges' bands).
-    band_reads = False
+    # A wave's spans are dropped when the next wave starts: the stream must not run ahead. Reads are copies out of
+    # memory: two threads. A rank holds only the bytes its runs cover, not the other ranks' parts of a row: every
+    # read must be one of its runs (one per row costs no request, unlike HttpRanges' bands).
+    policy = ReadPolicy(workers=2, read_ahead=False, band_reads=False)
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from ..errors import CorruptCheckpointError, HubConnectionError, RemoteFileChangedError
 from ..types import RemoteFile
-from . import ByteSource
+from . import ByteSource, ReadPolicy
 from .local import LocalFiles
 
 # huggingface_hub 2.x ships httpx under its own module name; its transport errors are what a dropped
@@ -89,10 +89,9 @@ def retry_hub_call(call: Callable[[], T], *, what: str, file: str) -> T:
 class HttpRanges(ByteSource):
     """Byte source over HTTP Range requests (see module doc). Thread-safe: huggingface_hub's client is."""
 
-    # Requests wait on the network, not the CPU: more of them in flight hides per-request latency (a dim-1
-    # slice is one request per row). In-flight memory stays workers x chunk_bytes.
-    workers = 8
-    band_reads = True
+    # Requests wait on the network, not the CPU: more of them in flight hides per-request latency; a dim-1 slice
+    # is fetched as bands of rows, one request each, not one per row. In-flight memory stays workers x chunk_bytes.
+    policy = ReadPolicy(workers=8, band_reads=True)
 
     def __init__(self, remote: Mapping[str, RemoteFile], *, token=None, local: Mapping[str, str] | None = None):
         self._remote = remote

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..types import file_identity
-from . import ByteSource
+from . import ByteSource, ReadPolicy
 
 __all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "trim_heap", "will_need_pages"]
 
@@ -114,6 +114,7 @@ class LocalFiles(ByteSource):
         self._paths = paths or {}
         self._planned = planned or {}
         self._gap = gap_bytes
+        self.policy = ReadPolicy(gap_bytes=gap_bytes)
         self.gap_bytes_read = 0
         """Bytes read between runs and dropped (``read_runs``): page-cache copies, no device I/O."""
         self._identity: dict[str, tuple[int, int, int, int]] = {}
@@ -144,6 +145,15 @@ class LocalFiles(ByteSource):
                     self._identity[file] = planned or opened
                     self._fds[file] = fd
         return fd
+
+    @classmethod
+    def for_load(
+        cls, paths: Mapping[str, str], *, cold: bool, planned: Mapping[str, tuple[int, int, int, int]] | None = None
+    ) -> LocalFiles:
+        """The files of a load, read as suits where their pages are: from the page cache (not ``cold``) runs up to
+        ``GAP_BYTES`` apart share one read; from a cold disk none do, since a gap is bytes read from the device for
+        nothing."""
+        return cls(paths, gap_bytes=0 if cold else GAP_BYTES, planned=planned)
 
     def open(self, file: str) -> None:
         """Open ``file`` now, if it is not open yet (refused if it is no longer the file whose header was read)."""
@@ -190,11 +200,6 @@ class LocalFiles(ByteSource):
             dropped += gaps
             i = j
         self.count_gap(dropped)
-
-    @property
-    def gap_bytes_allowed(self) -> int:
-        """Largest gap between two runs read through by one call (0: each run is its own read)."""
-        return self._gap
 
     def count_gap(self, nbytes: int) -> None:
         if nbytes:

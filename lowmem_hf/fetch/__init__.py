@@ -1,8 +1,10 @@
-"""Fetch: bring a Hub checkpoint's planned bytes to this process.
+"""Fetch: bring a checkpoint's planned bytes to this process.
 
+- ``choose.open_source``: the table that picks the byte source from where the checkpoint is, the fetch mode and
+  the process group.
 - ``fetch_files``: download into the standard HF cache only the files the plan touches
   (``hf_hub_download``: its locks make concurrent ranks on one machine download each file once). Each file
-  downloaded here is checked before the stream reads it (``hub.download``): the size and etag it was planned
+  downloaded here is checked before the stream reads it (``cache.download``): the size and etag it was planned
   with, and for LFS files the sha256 the Hub publishes (``verify``). Files download concurrently, as
   ``snapshot_download`` does, so one file's hashing overlaps the next one's download.
 - ``fetch="ranges"``: no file is downloaded; the byte sources ``sources.http.HttpRanges`` (one process) and
@@ -14,10 +16,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-
-from .hub import download
-from .settings import async_load
-from .types import Checkpoint
+from ..settings import async_load
+from ..types import Checkpoint
+from .cache import download
 
 __all__ = ["fetch_files", "FETCH_MODES", "DOWNLOAD_WORKERS"]
 
@@ -32,7 +33,7 @@ def fetch_files(
     """Download the needed repo files at the pinned commit into the HF cache; ``{repo path: local path}``.
 
     Files resolve found in the cache are read there as they are. Every other file is downloaded and checked
-    (``hub.download``); with ``verify``, an LFS file is hashed against its sha256 before it is returned.
+    (``cache.download``); with ``verify``, an LFS file is hashed against its sha256 before it is returned.
 
     Raises:
         RemoteFileChangedError: a file's size or etag differs from the plan (it is removed from the cache).
