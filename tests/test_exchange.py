@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from test_hub import weight_files
-from lowmem_hf.sources.exchange import DEFAULT_WAVE_BYTES, RankRuns, schedule_spans, wave_span_bytes
+from lowmem_hf.sources.schedule import DEFAULT_WAVE_BYTES, RankRuns, schedule_spans, wave_span_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "exchange_rank.py")

@@ -6,6 +6,7 @@ the source decides how the bytes arrive:
 - ``local.LocalFiles``: ``preadv`` from local files (also a file's path and mapping, and page-cache hints);
 - ``http.HttpRanges``: HTTP Range requests through huggingface_hub, nothing written to disk;
 - ``exchange.CooperativeRanges``: under a process group, every byte fetched once by one rank; each rank receives the parts it reads.
+  (``schedule``, ``pieces`` and ``wave_status`` are its parts.)
 
 ``file`` is a ``TensorInfo.file``: a local path, or the repo path of a Hub checkpoint's file.
 """

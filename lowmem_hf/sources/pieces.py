@@ -1,0 +1,94 @@
+"""The bytes one rank holds of a cooperative-fetch wave (``exchange.py``): its own spans whole, and the pieces of
+the other ranks' spans that its runs cover, received packed; and which pieces go to and come from which rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from .schedule import Schedule
+
+__all__ = ["Pieces", "pack", "lay_out_wave"]
+
+Transfer = tuple[torch.Tensor, int, int]
+"""``(bytes, peer, tag)`` of one point-to-point message: a span's index in its wave tags its pieces."""
+
+
+def lay_out_wave(
+    schedule: Schedule, index: int, rank: int, world: int, data: dict[int, torch.Tensor]
+) -> tuple[dict[str, Pieces], list[Transfer], list[Transfer]]:
+    """``(held, receives, sends)`` of ``rank`` in wave ``index``: what it will hold per file (its spans, from
+    ``data``: ``id(span)`` -> its bytes, and empty buffers for the pieces it receives; unsealed), and the messages.
+    Only the parts of a span that a rank's runs cover go to it, one message per span and rank."""
+    held: dict[str, Pieces] = {}
+    receives: list[Transfer] = []
+    sends: list[Transfer] = []
+    for k, s in enumerate(schedule.waves[index]):
+        if s.owner == rank:
+            held.setdefault(s.file, Pieces()).add(np.array([s.start]), np.array([s.stop]), data[id(s)], packed=False)
+            for peer in range(world):
+                if peer != rank:
+                    starts, stops = schedule.pieces(peer, index, s)
+                    if len(starts):
+                        sends.append((pack(data[id(s)], s.start, starts, stops), peer, k))
+        else:
+            starts, stops = schedule.pieces(rank, index, s)
+            if len(starts):
+                into = torch.empty(int((stops - starts).sum()), dtype=torch.uint8)
+                held.setdefault(s.file, Pieces()).add(starts, stops, into, packed=True)
+                receives.append((into, s.owner, k))
+    return held, receives, sends
+
+
+def pack(span_data: torch.Tensor, span_start: int, starts: np.ndarray, stops: np.ndarray) -> torch.Tensor:
+    """The bytes ``[starts, stops)`` of a span, concatenated: a view of the span where they are one run, else a copy."""
+    if len(starts) == 1:
+        return span_data[int(starts[0]) - span_start : int(stops[0]) - span_start]
+    src = span_data.numpy()
+    out = np.empty(int((stops - starts).sum()), dtype=np.uint8)
+    np.concatenate([src[a:b] for a, b in zip((starts - span_start).tolist(), (stops - span_start).tolist())], out=out)
+    return torch.from_numpy(out)
+
+
+class Pieces:
+    """The bytes of one file this rank holds in a wave: its own spans whole, and the pieces received, as sorted
+    ``[start, stop)`` runs, each at a position of a buffer."""
+
+    def __init__(self):
+        self._parts: list[tuple[np.ndarray, np.ndarray, int, np.ndarray]] = []  # (starts, stops, buffer, positions)
+        self._buffers: list[memoryview] = []
+
+    def add(self, starts: np.ndarray, stops: np.ndarray, data: torch.Tensor, *, packed: bool) -> None:
+        """Runs ``[starts, stops)`` of the file held in ``data``: concatenated (``packed``), or ``data`` holds
+        ``[starts[0], stops[-1])`` whole."""
+        positions = np.concatenate(([0], np.cumsum(stops - starts)[:-1])) if packed else starts - starts[0]
+        self._parts.append((starts, stops, len(self._buffers), positions))
+        self._buffers.append(memoryview(data.numpy()))
+
+    def seal(self) -> None:
+        """Index the runs for ``copy`` (after the last ``add``)."""
+        starts, stops, buffers, positions = (np.concatenate(x) for x in zip(*[
+            (a, b, np.full(len(a), i), p) for a, b, i, p in self._parts
+        ]))
+        order = np.argsort(starts, kind="stable")
+        self._starts, self._stops, self._buffer_of, self._positions = (
+            x[order].tolist() for x in (starts, stops, buffers, positions)
+        )
+
+    def copy(self, view: memoryview, offset: int) -> bool:
+        """Fill ``view`` with the bytes from ``offset``; False if some of them are not held."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        done = 0
+        while done < len(view):
+            pos = offset + done
+            if i < 0 or i >= len(self._starts) or not self._starts[i] <= pos < self._stops[i]:
+                return False
+            take = min(len(view) - done, self._stops[i] - pos)
+            at = self._positions[i] + pos - self._starts[i]
+            view[done : done + take] = self._buffers[self._buffer_of[i]][at : at + take]
+            done += take
+            i += 1
+        return True

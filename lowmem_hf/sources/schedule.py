@@ -1,0 +1,177 @@
+"""The cooperative fetch's schedule (``exchange.py``), pure arithmetic on every rank's planned byte runs.
+
+Every rank computes the same ``Schedule`` from the same gathered runs: the submodules in plan order, grouped into
+waves; each wave's union of runs cut into spans, each owned by one rank; and for each rank and span, the parts of
+the span that rank reads. No I/O and no process group here, so the arithmetic is tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from ..runs import element_runs
+from ..types import LoadPlan
+
+__all__ = [
+    "Span", "RankRuns", "Schedule", "rank_runs", "schedule_spans", "wave_span_bytes", "default_wave_bytes",
+    "DEFAULT_WAVE_BYTES", "FETCH_THREADS",
+]
+
+DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
+FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency
+_MIN_SPAN_BYTES = 4 * 1024 * 1024  # below this a span's request latency weighs more than its transfer
+
+
+@dataclass(frozen=True)
+class Span:
+    """``[start, stop)`` of ``file``, fetched by ``owner`` with one request; the other ranks get the parts they need."""
+
+    file: str
+    start: int
+    stop: int
+    owner: int
+
+
+@dataclass(frozen=True, eq=False)
+class RankRuns:
+    """One rank's planned byte runs, as one table: a dim-1 slice is one run per row, tens of thousands per rank
+    on a small model, and as Python tuples gathering and scheduling them took seconds."""
+
+    submodules: tuple[str, ...]
+    """The submodules that read anything, in plan order."""
+    files: tuple[str, ...]
+    """The files read, in order of first use."""
+    table: np.ndarray
+    """int64 ``[n, 4]``: submodule index, file index, start, stop (bytes of the file), in plan order."""
+
+    @classmethod
+    def from_tuples(cls, runs: Iterable[tuple[str, str, int, int]]) -> RankRuns:
+        """From ``(submodule, file, start, stop)`` runs in plan order (for tests and small plans)."""
+        subs: dict[str, int] = {}
+        files: dict[str, int] = {}
+        rows = [(subs.setdefault(sub, len(subs)), files.setdefault(file, len(files)), a, b) for sub, file, a, b in runs]
+        return cls(tuple(subs), tuple(files), np.array(rows, dtype=np.int64).reshape(-1, 4))
+
+
+def rank_runs(plan: LoadPlan) -> RankRuns:
+    """This rank's byte runs, in plan order."""
+    subs: list[str] = []
+    files: dict[str, int] = {}
+    blocks = []
+    for sub in plan.submodules:
+        infos = [(r.source, r.shard) for r in sub.reads] + [(i, None) for c in sub.conversions for _, i in c.sources]
+        before = len(blocks)
+        for info, shard in infos:
+            runs = element_runs(info.shape, shard)
+            if not runs:
+                continue
+            elements = np.array(runs, dtype=np.int64).reshape(-1, 2)
+            block = np.empty((len(elements), 4), dtype=np.int64)
+            block[:, 0] = len(subs)
+            block[:, 1] = files.setdefault(info.file, len(files))
+            block[:, 2] = info.offset + elements[:, 0] * info.dtype.itemsize
+            block[:, 3] = block[:, 2] + elements[:, 1] * info.dtype.itemsize
+            blocks.append(block)
+        if len(blocks) > before:
+            subs.append(sub.name)
+    table = np.concatenate(blocks) if blocks else np.empty((0, 4), dtype=np.int64)
+    return RankRuns(tuple(subs), tuple(files), table)
+
+
+def _merge(keys: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per key, the union of the ``[start, stop)`` intervals (touching ones merge), sorted by ``(key, start)``."""
+    if len(keys) == 0:
+        return keys, starts, stops
+    order = np.lexsort((starts, keys))
+    keys, starts, stops = keys[order], starts[order], stops[order]
+    group = np.concatenate(([0], np.cumsum(keys[1:] != keys[:-1])))
+    # the furthest stop so far within the key: offsetting each key's stops past every earlier key's lets one
+    # running maximum serve all keys (offsets stay far below 2**63: groups < 2**22, files < 2**40 bytes)
+    reach = np.maximum.accumulate(stops + (group << 40))
+    new = np.ones(len(keys), dtype=bool)
+    new[1:] = (group[1:] != group[:-1]) | (starts[1:] + (group[1:] << 40) > reach[:-1])
+    first = np.flatnonzero(new)
+    return keys[first], starts[first], np.maximum.reduceat(stops, first)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The cooperative schedule, the same on every rank (``schedule_spans``)."""
+
+    wave_of: dict[str, int]
+    """The wave of each submodule that reads anything."""
+    waves: list[list[Span]]
+    """Per wave, its spans (sorted by file, then offset), with owners."""
+    needs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """Per rank, the bytes it reads: ``(keys, starts, stops)``, merged and sorted, key ``wave * files + file``."""
+    file_index: dict[str, int]
+    """Each file's number in the keys of ``needs``."""
+
+    def pieces(self, rank: int, wave: int, span: Span) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)``: the parts of ``span`` (of ``wave``) that ``rank`` reads, ascending; what the span's
+        owner sends that rank, concatenated in this order."""
+        keys, starts, stops = self.needs[rank]
+        key = wave * len(self.file_index) + self.file_index[span.file]
+        lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+        first = lo + np.searchsorted(stops[lo:hi], span.start, "right")
+        last = lo + np.searchsorted(starts[lo:hi], span.stop, "left")
+        return np.maximum(starts[first:last], span.start), np.minimum(stops[first:last], span.stop)
+
+
+def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes: int) -> Schedule:
+    """The cooperative schedule every rank computes alike from everyone's runs (a pure function).
+
+    Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
+    it holds ``wave_bytes``. A wave's bytes are the union of every rank's runs in it, cut into spans of at most
+    ``span_bytes``, each owned by the rank with the fewest bytes so far.
+    """
+    files = sorted({f for runs in runs_by_rank for f in runs.files})
+    file_index = {f: i for i, f in enumerate(files)}
+    subs: dict[str, int] = {}
+    for runs in runs_by_rank:
+        for name in runs.submodules:
+            subs.setdefault(name, len(subs))
+    tables = []  # per rank, global numbers: (submodule, file, start, stop)
+    for runs in runs_by_rank:
+        sub_map = np.array([subs[n] for n in runs.submodules] or [0], dtype=np.int64)
+        file_map = np.array([file_index[f] for f in runs.files] or [0], dtype=np.int64)
+        t = runs.table
+        tables.append((sub_map[t[:, 0]], file_map[t[:, 1]], t[:, 2], t[:, 3]))
+    sub, file, start, stop = (np.concatenate([t[i] for t in tables]) for i in range(4))
+    n_files = max(1, len(files))
+    keys, a, b = _merge(sub * n_files + file, start, stop)
+    size_of = np.bincount(keys // n_files, weights=b - a, minlength=len(subs))  # bytes of each submodule's union
+    wave_of_sub, wave, size = np.zeros(len(subs), dtype=np.int64), 0, 0
+    for i in range(len(subs)):
+        wave_of_sub[i] = wave
+        size += int(size_of[i])
+        if size >= wave_bytes and i + 1 < len(subs):
+            wave, size = wave + 1, 0
+    waves: list[list[Span]] = [[] for _ in range(wave + 1 if len(subs) else 0)]
+    owned = [0] * len(runs_by_rank)
+    for key, lo, hi in zip(*(x.tolist() for x in _merge(wave_of_sub[sub] * n_files + file, start, stop))):
+        for at in range(lo, hi, span_bytes):
+            owner = min(range(len(owned)), key=lambda r: (owned[r], r))
+            end = min(hi, at + span_bytes)
+            owned[owner] += end - at
+            waves[key // n_files].append(Span(files[key % n_files], at, end, owner))
+    needs = [_merge(wave_of_sub[s] * n_files + f, a_, b_) for s, f, a_, b_ in tables]
+    wave_of = {name: int(wave_of_sub[i]) for name, i in subs.items()}
+    return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index)
+
+
+def wave_span_bytes(span_bytes: int, world: int) -> int:
+    """The span size: at most ``span_bytes``, and small enough that each rank owns ``FETCH_THREADS`` spans of a
+    default wave, down to ``_MIN_SPAN_BYTES`` (the wave grows instead). A span is one connection, and a connection's
+    rate is capped (a CDN's per-connection throughput, the benchmark's throttle): with 16 MiB spans, 3 ranks owned
+    two spans of each 96 MiB wave and left half their fetch threads idle."""
+    return min(span_bytes, max(_MIN_SPAN_BYTES, DEFAULT_WAVE_BYTES // (world * FETCH_THREADS)))
+
+
+def default_wave_bytes(span_bytes: int, world: int) -> int:
+    """The wave size when none is asked for: ``DEFAULT_WAVE_BYTES``, or more where that is too small for every
+    rank to own ``FETCH_THREADS`` spans of ``span_bytes`` (spans stop shrinking at ``_MIN_SPAN_BYTES``)."""
+    return max(DEFAULT_WAVE_BYTES, world * FETCH_THREADS * span_bytes)
