@@ -350,7 +350,6 @@ _SPLIT = "being split (issue 32)"
 # the test too, so the list only shrinks.
 SIZE_EXCEPTIONS = {
     # edited on two other branches of issue 32 at once (the source table, the engines): split after they merge
-    "lowmem_hf.hub.resolve_hub": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.sources.exchange": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.sources.exchange.CooperativeRanges": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.request.make_request": "its signature is the argument list (46 lines, STYLE convention 1)",
