@@ -353,7 +353,6 @@ SIZE_EXCEPTIONS = {
     "lowmem_hf.sources.exchange": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.sources.exchange.CooperativeRanges": "edited by two branches of issue 32; split after they merge",
     "lowmem_hf.request.make_request": "its signature is the argument list (46 lines, STYLE convention 1)",
-    "lowmem_hf.formats.dcp": "one format, one module; load.py, being split (issue 32), calls its checks as dcp.*",
 }
 
 

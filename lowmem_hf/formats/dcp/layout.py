@@ -1,66 +1,28 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint): read their layout, read each rank's part.
-
-Two on-disk formats, both written by DCP:
-
-- ``dcp.save(model.state_dict(), checkpoint_id=dir)``: ``.metadata`` (DCP's pickled ``Metadata``) plus
-  ``__<rank>_<n>.distcp`` files. Each stored chunk is one ``torch.save`` zip archive at ``_StorageInfo.offset``;
-  the tensor's bytes are one uncompressed record inside it.
-- transformers' ``save_pretrained(..., distributed_checkpoint=True)`` (and ``lowmem_hf.save_pretrained``'s):
-  ``shard-<r>-model-<i>-of-<n>.safetensors`` written by DCP's ``HuggingFaceStorageWriter``; each file holds
-  one rank's local chunks, their global offsets in the ``DCP_SHARDING_INFO`` header metadata.
-
-What is DCP's: the metadata (``FileSystemReader.read_metadata``, ``HuggingFaceStorageReader.read_metadata``:
-global shapes, dtypes, every chunk's offsets and sizes, which file and byte range holds it). What is ours:
-reading only the part of a chunk that overlaps this rank's slice. DCP's ``FileSystemReader.read_data``
-``torch.load``s every stored chunk whole before narrowing it, so every TP rank reads (and holds) whole
-chunks; the safetensors reader maps whole files. Here each rank reads only the byte runs of the overlap
-from its byte source (``LocalFiles``: ``preadv``), straight into its destination, through the same staging as
-the Hub-format readers.
-
-Also ours: checking the metadata before any tensor byte is read, with the rules DCP applies to what it saves
-(``check_chunks``: every chunk a box inside its tensor, no two sharing an element), every byte range inside its
-file and no two overlapping, and every element this rank reads stored (``check_covered``); each ``.distcp`` item is
-checked as a ``.bin`` archive is (``zip_archive.read_archive``), and ``shard-*`` files as any safetensors file.
+"""A sharded training checkpoint's layout: DCP's metadata (``.metadata``, or the ``DCP_SHARDING_INFO`` of
+``shard-*`` safetensors files) read into a ``DcpLayout``, no tensor byte read, and checked with the rules DCP
+applies to what it saves (``check_chunks``) and every byte range inside its file, no two overlapping.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
-import sys
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, broken_rule
-from ..runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
-from ..sources import ByteSource
-from ..types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
-from . import safetensors, torch_pickle, zip_archive
-from .base import Reader, SourceFile, Staging, StreamStats, byte_view
-
-__all__ = [
-    "StoredChunk",
-    "DcpLayout",
-    "is_dcp_dir",
-    "read_layout",
-    "check_chunks",
-    "check_covered",
-    "check_complete",
-    "DcpReader",
-    "open_reader",
-    "staging_bytes",
-]
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, broken_rule
+from ...types import TensorInfo
+from .. import safetensors
 
 DCP_METADATA = ".metadata"
 DISTCP_SUFFIX = ".distcp"
 # transformers' `is_sharded_checkpoint` pattern (transformers/distributed/checkpoint.py)
 HF_SHARD_PATTERN = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
-_MAX_IOV = 1024  # IOV_MAX on Linux
+RESAVE_DCP = "The checkpoint is corrupt: save it again."
+"""The fix a broken rule of DCP's metadata names."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +52,7 @@ class DcpLayout:
     """Checkpoint key -> its stored chunks (one for a tensor saved whole, one per writing rank when sharded)."""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Layout
-# ---------------------------------------------------------------------------------------------------------
+
 def is_dcp_dir(directory: str) -> bool:
     """Whether ``directory`` holds a sharded training checkpoint: ``.metadata`` + ``*.distcp``, or transformers'
     ``shard-*-model-*-of-*.safetensors`` (and no Hub-layout weights, which would take precedence)."""
@@ -165,7 +125,7 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
                 raise broken_rule(
                     metadata_path, f"{key!r} (chunk at {list(chunk.offsets)})", "every chunk stored",
                     "an entry in storage_data saying which file holds it", "none",
-                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
+                    rulebook="DCP", fix=RESAVE_DCP, key=key,
                 )
             path = os.path.join(directory, storage.relative_path)
             if storage.transform_descriptors:
@@ -180,7 +140,7 @@ def _read_distcp(directory: str) -> tuple[DcpLayout, dict[str, TensorInfo], int]
                 raise broken_rule(
                     metadata_path, subject, "byte range inside its file", f"a non-empty byte range of {path}",
                     f"[{storage.offset}, {storage.offset + storage.length})",
-                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
+                    rulebook="DCP", fix=RESAVE_DCP, key=key,
                 )
             if storage.offset + storage.length > sizes[path]:
                 found = "is missing" if sizes[path] < 0 else f"has {sizes[path]} bytes"
@@ -237,9 +197,6 @@ def _read_hf_sharded(directory: str, names: list[str]) -> tuple[DcpLayout, dict[
     return layout, infos, header_bytes
 
 
-_RESAVE_DCP = "The checkpoint is corrupt: save it again."
-
-
 def _boxes_overlap(a: StoredChunk, b: StoredChunk) -> bool:
     return all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
@@ -275,7 +232,7 @@ def check_chunks(key: str, size: tuple[int, ...], chunks: tuple[StoredChunk, ...
         ):
             raise broken_rule(
                 where, f"{key!r} (chunk at {list(c.offsets)})", "chunk inside its tensor", f"a box inside the tensor's shape {list(size)}",
-                f"offsets {list(c.offsets)}, sizes {list(c.sizes)}", rulebook="DCP", fix=_RESAVE_DCP, key=key,
+                f"offsets {list(c.offsets)}, sizes {list(c.sizes)}", rulebook="DCP", fix=RESAVE_DCP, key=key,
             )
     pair = _first_overlap(chunks)
     if pair is not None:
@@ -283,7 +240,7 @@ def check_chunks(key: str, size: tuple[int, ...], chunks: tuple[StoredChunk, ...
         raise broken_rule(
             where, f"{key!r}", "chunks do not overlap", "chunks that share no element",
             f"chunk at {list(a.offsets)} (sizes {list(a.sizes)}) overlapping chunk at {list(b.offsets)} (sizes {list(b.sizes)})",
-            rulebook="DCP", fix=_RESAVE_DCP, key=key,
+            rulebook="DCP", fix=RESAVE_DCP, key=key,
         )
 
 
@@ -301,200 +258,5 @@ def _check_byte_ranges(chunks: Mapping[str, tuple[StoredChunk, ...]], *, where: 
                     where, f"{key!r} (chunk at {list(c.offsets)})", "byte ranges do not overlap",
                     f"bytes of {file} from {prev_end} on (after {prev_key!r}, chunk at {list(prev.offsets)})",
                     f"[{start}, {end})",
-                    rulebook="DCP", fix=_RESAVE_DCP, key=key,
+                    rulebook="DCP", fix=RESAVE_DCP, key=key,
                 )
-
-
-def check_covered(checkpoint: Checkpoint, plan: LoadPlan) -> None:
-    """Every element the plan reads is in a stored chunk (chunks do not overlap: ``check_chunks``), before any byte
-    is read: a tensor that was not saved whole is an error, not uninitialized memory.
-
-    Raises:
-        CorruptCheckpointError: naming the key and how much of what this rank reads is stored.
-    """
-    reads = [(r.source, r.shard) for r in plan.reads]
-    reads += [(info, None) for s in plan.submodules for c in s.conversions for _, info in c.sources]
-    for info, shard in reads:
-        flat = shard is not None and shard.flat
-        start, stop = wanted_box(info.shape, shard)
-        needed = shard.stop - shard.start if flat else math.prod(b - a for a, b in zip(start, stop))
-        what = f"elements [{shard.start}, {shard.stop}) of the flattened" if flat else f"[{list(start)}, {list(stop)}) of"
-        covered = 0
-        for chunk in checkpoint.layout.chunks[info.key]:
-            if flat:  # a ZeRO-3 partition: a range of the flattened tensor
-                covered += sum(n for _, _, n in flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop))
-                continue
-            box = overlap(chunk.offsets, chunk.sizes, start, stop)
-            if box is not None:
-                covered += math.prod(h - l for l, h in zip(*box))
-        if covered != needed:
-            raise broken_rule(
-                checkpoint.name_or_path, f"{info.key!r}", "chunks cover what is read",
-                f"stored chunks holding the {needed} elements this rank reads ({what} global shape {list(info.shape)})",
-                f"{covered} stored (chunks at {[list(c.offsets) for c in checkpoint.layout.chunks[info.key]]}). The checkpoint is incomplete",
-                rulebook="DCP", fix=_RESAVE_DCP, key=info.key,
-            )
-
-
-def check_complete(model: Any, plan: LoadPlan, checkpoint: Checkpoint) -> None:
-    """A resumed model must come entirely from its checkpoint: a missing key is an error, not a fresh init.
-
-    Tied targets (``lm_head.weight`` tied to the embeddings) are exempt: they are the same tensor as their source.
-
-    Raises:
-        MissingKeyError: naming the keys the checkpoint lacks.
-    """
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = sorted(k for k in plan.missing_keys if k not in tied)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise MissingKeyError(
-            f"{checkpoint.name_or_path} lacks {len(missing)} tensor(s) {type(model).__name__} needs: {shown}. "
-            f"The checkpoint stores {len(checkpoint.tensors)} tensors; was it saved from this model "
-            "(model.state_dict()) and completely? Re-save it, or pass the config it was saved with."
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Read
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Located:
-    """Where a chunk's raw row-major bytes start, or the whole tensor when they are not raw."""
-
-    data_offset: int | None
-    whole: torch.Tensor | None = None
-
-
-def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Runs of a job whose source bytes follow each other: one read each (up to ``_MAX_IOV`` buffers)."""
-    spans: list[list[tuple[int, int, int]]] = []
-    for run in job:
-        if spans and len(spans[-1]) < _MAX_IOV and spans[-1][-1][0] + spans[-1][-1][2] == run[0]:
-            spans[-1].append(run)
-        else:
-            spans.append([run])
-    return spans
-
-
-class DcpReader(Reader):
-    """The stream contract over a ``DcpLayout``: reads only the overlap of each stored chunk with this rank's
-    slice, in byte runs, from ``source`` (local files)."""
-
-    def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: StreamStats, source: ByteSource):
-        self._layout = layout
-        self._chunk_bytes = chunk_bytes
-        self._stats = stats
-        self._source = source
-        self._staging = Staging(stats)
-        self._located: dict[StoredChunk, _Located] = {}
-        self._lock = threading.Lock()
-        self._extra = 0  # archive headers read to locate .distcp tensors
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self._extra += n
-
-    def _locate(self, chunk: StoredChunk) -> _Located:
-        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed member. Read the
-        archive's directory, its pickle and the member's local header (about 1 KiB), each checked as a ``.bin``
-        archive is (``zip_archive.read_archive``), to find where they start; a tensor stored with other strides or
-        byte order is loaded whole instead (the minimal unit then)."""
-        if chunk.raw:
-            return _Located(chunk.byte_offset)
-        found = self._located.get(chunk)
-        if found is not None:
-            return found
-        where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
-        view = SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
-        archive = zip_archive.read_archive(view, name=where)
-        tensor = torch_pickle.unpickle_locations(view, archive, name=where)
-        if not isinstance(tensor, torch_pickle.StoredTensor):
-            raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
-        member = torch_pickle.check_in_storage(f"chunk at {list(chunk.offsets)}", tensor, archive, name=where)
-        if tensor.shape != chunk.sizes or tensor.dtype != chunk.dtype:
-            raise CorruptCheckpointError(
-                f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
-                f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
-            )
-        if tensor.row_major and zip_archive.byte_order(view, archive) == sys.byteorder:
-            located = _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
-        else:
-            whole = torch.load(
-                SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
-            )
-            self._stats.staged(whole.nbytes)
-            self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
-            located = _Located(None, whole.contiguous())
-        with self._lock:
-            self._located[chunk] = located
-        return located
-
-    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
-        """Chunk reads that together fill ``dst`` with this rank's part of ``info``'s tensor, from every stored
-        chunk that overlaps it. Safe to run on several threads at once."""
-        start, stop = wanted_box(info.shape, shard)
-        local = tuple(b - a for a, b in zip(start, stop))
-        jobs: list[Callable[[], None]] = []
-        for chunk in self._layout.chunks[info.key]:
-            if shard is not None and shard.flat:  # a ZeRO-3 partition: a range of the flattened tensor
-                runs = flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop)
-                if not runs:
-                    continue
-            else:
-                box = overlap(chunk.offsets, chunk.sizes, start, stop)
-                if box is None:
-                    continue
-                lo, hi = box
-                size = tuple(h - l for l, h in zip(lo, hi))
-                runs = box_runs(
-                    chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
-                )
-            self._stats.opened(chunk.file)
-            jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
-        return jobs
-
-    def _read(self, chunk: StoredChunk, dst: torch.Tensor, job: list[tuple[int, int, int]]) -> None:
-        located = self._locate(chunk)
-        flat = dst.view(-1)
-        if located.whole is not None:
-            source = located.whole.reshape(-1)
-            for src, at, n in job:
-                flat[at : at + n].copy_(source[src : src + n])
-            return
-        itemsize, source, start = chunk.dtype.itemsize, self._source, located.data_offset
-        direct = dst.device.type == "cpu" and dst.dtype == chunk.dtype and dst.is_contiguous()
-        for span in _spans(job):
-            if direct:  # one contiguous range of the file, scattered into the destination: one call
-                view = byte_view(dst)
-                source.read_runs(chunk.file, [(view[at * itemsize : (at + n) * itemsize], start + src * itemsize) for src, at, n in span])
-                continue
-            total = sum(n for _, _, n in span) * itemsize
-            buf = self._staging.get(total, pinned=dst.device.type == "cuda")
-            source.read(chunk.file, byte_view(buf), start + span[0][0] * itemsize)
-            values, pos = buf.view(chunk.dtype), 0
-            for _, at, n in span:
-                flat[at : at + n].copy_(values[pos : pos + n])
-                pos += n
-
-    def done(self, info: TensorInfo, nbytes: int) -> None:
-        self._stats.read(nbytes)  # through the progress bar, as every reader
-
-    def close(self) -> None:
-        with self._lock:
-            self._located.clear()
-            self._stats.header_bytes += self._extra
-            self._extra = 0
-
-
-def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
-    """The reader of a sharded training checkpoint (``checkpoint.layout``). ``.distcp`` items are read as raw bytes;
-    the rare chunk stored with other strides is loaded with ``weights_only=True`` whatever ``weights_only`` says."""
-    check_covered(checkpoint, plan)
-    return DcpReader(checkpoint.layout, chunk_bytes, stats, source)
-
-
-
-def staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, workers: int, per_worker: int, converted: bool) -> int:
-    """Host bytes the reader holds beyond the destinations: as for safetensors (raw bytes, read by ranges)."""
-    return safetensors.staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=converted)
