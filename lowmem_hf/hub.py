@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch.distributed as dist
@@ -194,6 +194,109 @@ def _header_estimate(keys: Iterable[str]) -> int:
     return 8 + sum(len(k) + 112 for k in keys) + 512 if keys else 8
 
 
+@dataclass(frozen=True)
+class _PinnedRepo:
+    """A Hub repo at one commit, seen through its ``subfolder``: what every step of ``resolve_hub`` asks about."""
+
+    repo_id: str
+    commit: str
+    hub: HubArgs
+    offline: bool
+    probed: RemoteFile | None
+    """The chosen candidate's HEAD answer, when the candidate probe made one: not asked for again."""
+
+    def path(self, name: str) -> str:
+        return _repo_path(name, self.hub)
+
+    def cached(self, name: str) -> str | None:
+        return cached_file(self.repo_id, self.path(name), self.commit, self.hub)
+
+    def planned(self, name: str) -> RemoteFile | None:
+        """The size and etag of ``name`` at ``commit`` (one HEAD unless the candidate probe made it), or None offline."""
+        if self.offline:
+            return None
+        if self.probed is not None and self.probed.filename == self.path(name):
+            return self.probed
+        found_remote = _remote(self.repo_id, name, self.commit, self.hub)
+        if found_remote is None:
+            raise CheckpointNotFoundError(
+                f"Cannot load {self.repo_id!r} (revision {self.commit!r}): the index names {self.path(name)!r}, which "
+                "the repo does not have at that revision."
+            )
+        return found_remote
+
+
+def _choose_weights(
+    repo_id: str, commit: str, hub: HubArgs, offline: bool, candidates: list[str], what: str
+) -> tuple[str, RemoteFile | None]:
+    """The weight file (or index) to load, of ``candidates`` in order, each checked to stay inside the repo first;
+    with its HEAD's answer when the probe made one."""
+    for candidate in candidates:
+        _check_repo_path(candidate, _repo_path(candidate, hub), repo_id=repo_id, what=what)
+    found, remote_found = _first_candidate(repo_id, candidates, commit, hub, offline)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"Cannot load {repo_id!r} (revision {commit!r}): none of {', '.join(candidates)} exists"
+            + (" in the local cache (offline mode)" if offline else "")
+            + ". Check `variant`, `subfolder` and `use_safetensors`."
+        )
+    return found, remote_found
+
+
+def _read_index(repo: _PinnedRepo, index: str, verify: bool) -> tuple[dict[str, list[str]], dict, int]:
+    """The index's keys of each shard, its metadata and its size in bytes; every shard it names is checked to stay
+    inside the repo before any shard is looked up."""
+    index_path = _download(repo.repo_id, index, repo.commit, repo.hub, expected=repo.probed, verify=verify)
+    nbytes = os.path.getsize(index_path)
+    by_file, index_metadata = parse_index(index_path)
+    for name, keys in by_file.items():
+        _check_repo_path(name, repo.path(name), repo_id=repo.repo_id, what=f"{index} maps {describe_keys(keys)} to")
+    return by_file, index_metadata, nbytes
+
+
+def _remote_headers(repo: _PinnedRepo, names: list[str], shard_keys: dict[str, list[str]]) -> dict[str, tuple]:
+    """``{name: (RemoteFile, header)}`` of the safetensors shards not in the cache, read concurrently when there is
+    more than one: each costs three requests in a row (HEAD, header length, header), and with the Hub's
+    per-request latency, shards one after another would be most of the planning of a fetch="ranges" load."""
+    todo = [n for n in names if repo.cached(n) is None]
+    if len(todo) <= 1:
+        return {}
+
+    def header(name: str):
+        planned_remote = repo.planned(name)
+        return planned_remote, _remote_header(planned_remote, repo.hub, shard_keys.get(name, ()))
+
+    with ThreadPoolExecutor(max_workers=min(8, len(todo)), thread_name_prefix="lowmem-headers") as pool:
+        return dict(zip(todo, pool.map(header, todo)))  # the first error, in shard order, is raised
+
+
+def _safetensors_header(
+    repo: _PinnedRepo, name: str, headers: dict[str, tuple]
+) -> tuple[str | None, RemoteFile | None, tuple]:
+    """``(cached path, RemoteFile, (infos, header bytes))`` of a safetensors shard: read in the cache if it is
+    there (offline: downloaded, or huggingface_hub's own offline error), else by ranges (``headers``: read already)."""
+    cached = repo.cached(name)
+    if cached is not None:
+        return cached, None, safetensors.read_header(cached)
+    if repo.offline:
+        cached = _download(repo.repo_id, name, repo.commit, repo.hub)  # raises huggingface_hub's own offline error
+        return cached, None, safetensors.read_header(cached)
+    if name in headers:
+        remote, header = headers[name]
+        return None, remote, header
+    remote = repo.planned(name)
+    return None, remote, _remote_header(remote, repo.hub)
+
+
+def _pickle_header(repo: _PinnedRepo, name: str, weights_only: bool, verify: bool) -> tuple[str, tuple]:
+    """``(cached path, (infos, bytes read, format))`` of a ``.bin`` shard: it has no readable header, so it is
+    downloaded (into the cache) whole to learn its shapes, as transformers does."""
+    cached = repo.cached(name)
+    if cached is None:  # offline, download raises huggingface_hub's own offline error
+        cached = _download(repo.repo_id, name, repo.commit, repo.hub, expected=repo.planned(name), verify=verify)
+    return cached, torch_pickle.read_header(cached, weights_only=weights_only)
+
+
 def resolve_hub(
     repo_id: str,
     *,
@@ -221,88 +324,41 @@ def resolve_hub(
     offline = is_offline(hub)
     candidates = weight_candidates(variant=variant, use_safetensors=use_safetensors, explicit_filename=explicit_filename)
     what = "config.json's transformers_weights names" if explicit_filename is not None else "The weight file is"
-    for candidate in candidates:
-        _check_repo_path(candidate, _repo_path(candidate, hub), repo_id=repo_id, what=what)
-
-    found, remote_found = _first_candidate(repo_id, candidates, commit, hub, offline)
-    if found is None:
-        raise CheckpointNotFoundError(
-            f"Cannot load {repo_id!r} (revision {commit!r}): none of {', '.join(candidates)} exists"
-            + (" in the local cache (offline mode)" if offline else "")
-            + ". Check `variant`, `subfolder` and `use_safetensors`."
-        )
-
-    def planned(name: str) -> RemoteFile | None:
-        """The size and etag of ``name`` at ``commit`` (one HEAD unless the candidate probe made it), or None offline."""
-        if offline:
-            return None
-        if remote_found is not None and remote_found.filename == _repo_path(name, hub):
-            return remote_found
-        found_remote = _remote(repo_id, name, commit, hub)
-        if found_remote is None:
-            raise CheckpointNotFoundError(
-                f"Cannot load {repo_id!r} (revision {commit!r}): the index names {_repo_path(name, hub)!r}, which the "
-                "repo does not have at that revision."
-            )
-        return found_remote
+    found, remote_found = _choose_weights(repo_id, commit, hub, offline, candidates, what)
+    repo = _PinnedRepo(repo_id, commit, hub, offline, remote_found)
 
     header_bytes = 0
     index_metadata = None
     shard_keys = {}  # the index's keys of each shard: how large its header is
     if is_index(found):
-        index_path = _download(repo_id, found, commit, hub, expected=remote_found, verify=verify)
-        header_bytes += os.path.getsize(index_path)
-        by_file, index_metadata = parse_index(index_path)
-        shard_keys = by_file
-        for name, keys in by_file.items():  # every entry inside the repo before any shard is looked up
-            _check_repo_path(name, _repo_path(name, hub), repo_id=repo_id, what=f"{found} maps {describe_keys(keys)} to")
-        names = sorted(by_file)
+        shard_keys, index_metadata, header_bytes = _read_index(repo, found, verify)
+        names = sorted(shard_keys)
     else:
         names = [found]
 
     is_safetensors = names[0].endswith(".safetensors")
-    tensors, remote, local_paths = {}, {}, {}
-    headers = {}  # remote safetensors shards: (RemoteFile, header), read concurrently
-    if is_safetensors and not offline:
-        todo = [n for n in names if cached_file(repo_id, _repo_path(n, hub), commit, hub) is None]
-        if len(todo) > 1:
-            # each shard costs three requests in a row (HEAD, header length, header); with the Hub's per-request
-            # latency, shards one after another would be most of the planning of a fetch="ranges" load
-            def header(name: str):
-                planned_remote = planned(name)
-                return planned_remote, _remote_header(planned_remote, hub, shard_keys.get(name, ()))
-
-            with ThreadPoolExecutor(max_workers=min(8, len(todo)), thread_name_prefix="lowmem-headers") as pool:
-                headers = dict(zip(todo, pool.map(header, todo)))  # the first error, in shard order, is raised
+    headers = _remote_headers(repo, names, shard_keys) if is_safetensors and not offline else {}
     fmt = CheckpointFormat.SAFETENSORS if is_safetensors else None
+    tensors, remote, local_paths = {}, {}, {}
     for name in names:
-        repo_path = _repo_path(name, hub)
-        cached = cached_file(repo_id, repo_path, commit, hub)
-        if not is_safetensors:
-            if cached is None:  # offline, download raises huggingface_hub's own offline error
-                cached = _download(repo_id, name, commit, hub, expected=planned(name), verify=verify)
-            infos, nbytes, file_fmt = torch_pickle.read_header(cached, weights_only=weights_only)
-            fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
-        elif cached is not None:
-            infos, nbytes = safetensors.read_header(cached)
-        elif offline:
-            cached = _download(repo_id, name, commit, hub)  # raises huggingface_hub's own offline error
-            infos, nbytes = safetensors.read_header(cached)
-        elif name in headers:
-            remote[repo_path], (infos, nbytes) = headers[name]
+        repo_path = repo.path(name)
+        if is_safetensors:
+            cached, remote_file, (infos, nbytes) = _safetensors_header(repo, name, headers)
+            if remote_file is not None:
+                remote[repo_path] = remote_file
         else:
-            remote[repo_path] = planned(name)
-            infos, nbytes = _remote_header(remote[repo_path], hub)
+            cached, (infos, nbytes, file_fmt) = _pickle_header(repo, name, weights_only, verify)
+            fmt = file_fmt if fmt in (None, CheckpointFormat.TORCH_ZIP) else fmt
         if cached is not None:
             local_paths[repo_path] = cached
         header_bytes += nbytes
         add_tensors(tensors, (replace(info, file=repo_path) for info in infos.values()))
     if index_metadata is not None:
-        check_index_keys(found, by_file, tensors)
+        check_index_keys(found, shard_keys, tensors)
     return Checkpoint(
         name_or_path=repo_id,
         format=fmt,
-        files=tuple(_repo_path(n, hub) for n in names),
+        files=tuple(repo.path(n) for n in names),
         tensors=tensors,
         index_metadata=index_metadata,
         header_bytes=header_bytes,

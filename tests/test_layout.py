@@ -344,16 +344,10 @@ def test_an_importer_of_a_module_is_found(tmp_path):
 
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 150, 60
 
-_SPLIT = "being split (issue 32)"
-
 # {qualified name: reason}: what may stay above its limit, and why. An entry that is no longer above its limit fails
 # the test too, so the list only shrinks.
 SIZE_EXCEPTIONS = {
-    # edited on two other branches of issue 32 at once (the source table, the engines): split after they merge
-    "lowmem_hf.hub.resolve_hub": "edited by two branches of issue 32; split after they merge",
-    "lowmem_hf.sources.local.LocalFiles": "its read policy is being moved into it (issue 32); split after that merges",
     "lowmem_hf.request.make_request": "its signature is the argument list (46 lines, STYLE convention 1)",
-    "lowmem_hf.formats.dcp": "one format, one module; load.py, being split (issue 32), calls its checks as dcp.*",
 }
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint formats: one module per format, and nothing outside them knows a format's internals.
+"""Checkpoint formats: one module per format (``dcp/``: a small package), and nothing outside them knows a
+format's internals.
 
 Each module holds what its format alone knows: parsing and checking its header or metadata into ``TensorInfo``s,
 and a ``Reader`` (``base.py``) whose jobs fill a destination (the whole tensor, a slice, dim-1 runs) from a byte

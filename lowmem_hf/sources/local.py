@@ -98,6 +98,50 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
+def _open_as_planned(
+    path: str, file: str, planned: tuple[int, int, int, int] | None
+) -> tuple[int, tuple[int, int, int, int]]:
+    """A descriptor of ``file`` (at ``path``) and the identity its reads are checked against (``planned``, else what
+    was opened). Refused, closed, if it is no longer the ``planned`` file: its tensors' offsets come from that header."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
+    opened = file_identity(os.fstat(fd))
+    if planned is not None and opened != planned:
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{file} changed while it loaded: {_what_changed(planned, opened, opened)}, after its header "
+            "was read. Its tensors' offsets and sizes come from that header. Do not rewrite a checkpoint "
+            "while it loads; load it again."
+        )
+    return fd, planned or opened
+
+
+def _preadv_runs(
+    fd: int, parts: list[tuple[memoryview, int]], gap_bytes: int, scratch: memoryview | None, file: str
+) -> int:
+    """``LocalFiles.read_runs`` on ``fd``: runs at most ``gap_bytes`` apart share one ``preadv``, the bytes between
+    them read into ``scratch`` (at least ``gap_bytes`` long). Returns how many bytes were so read and dropped."""
+    i, dropped = 0, 0
+    while i < len(parts):
+        view, offset = parts[i]
+        buffers, end, j, gaps = [view], offset + len(view), i + 1, 0
+        while j < len(parts) and len(buffers) < _IOV_MAX - 1 and 0 <= parts[j][1] - end <= gap_bytes:
+            gap = parts[j][1] - end
+            if gap:
+                buffers.append(scratch[:gap])
+                gaps += gap
+            buffers.append(parts[j][0])
+            end = parts[j][1] + len(parts[j][0])
+            j += 1
+        if j == i + 1 or end - offset > _MAX_SYSCALL_BYTES or os.preadv(fd, buffers, offset) != end - offset:
+            for k in range(i, j):  # one run, or a short read (the file ended): run by run, naming the cut
+                _pread_exact(fd, parts[k][0], parts[k][1], file)
+        dropped += gaps
+        i = j
+    return dropped
+
+
 class LocalFiles(ByteSource):
     """Byte source over local files: ``preadv``, one descriptor per file, closed after the file's last tensor.
 
@@ -130,19 +174,7 @@ class LocalFiles(ByteSource):
             with self._lock:
                 fd = self._fds.get(file)
                 if fd is None:
-                    fd = os.open(self.path(file), os.O_RDONLY)
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
-                    opened = file_identity(os.fstat(fd))
-                    planned = self._planned.get(file)
-                    if planned is not None and opened != planned:
-                        os.close(fd)
-                        raise CorruptCheckpointError(
-                            f"{file} changed while it loaded: {_what_changed(planned, opened, opened)}, after its header "
-                            "was read. Its tensors' offsets and sizes come from that header. Do not rewrite a checkpoint "
-                            "while it loads; load it again."
-                        )
-                    self._identity[file] = planned or opened
+                    fd, self._identity[file] = _open_as_planned(self.path(file), file, self._planned.get(file))
                     self._fds[file] = fd
         return fd
 
@@ -180,26 +212,7 @@ class LocalFiles(ByteSource):
         per row costs more than copying the other ranks' part of the row out of the page cache. Written by hand:
         nothing in the stack gathers file ranges.
         """
-        fd = self._fd(file)
-        scratch = self._scratch() if self._gap else None
-        i, dropped = 0, 0
-        while i < len(parts):
-            view, offset = parts[i]
-            buffers, end, j, gaps = [view], offset + len(view), i + 1, 0
-            while j < len(parts) and len(buffers) < _IOV_MAX - 1 and 0 <= parts[j][1] - end <= self._gap:
-                gap = parts[j][1] - end
-                if gap:
-                    buffers.append(scratch[:gap])
-                    gaps += gap
-                buffers.append(parts[j][0])
-                end = parts[j][1] + len(parts[j][0])
-                j += 1
-            if j == i + 1 or end - offset > _MAX_SYSCALL_BYTES or os.preadv(fd, buffers, offset) != end - offset:
-                for k in range(i, j):  # one run, or a short read (the file ended): run by run, naming the cut
-                    _pread_exact(fd, parts[k][0], parts[k][1], file)
-            dropped += gaps
-            i = j
-        self.count_gap(dropped)
+        self.count_gap(_preadv_runs(self._fd(file), parts, self._gap, self._scratch() if self._gap else None, file))
 
     def count_gap(self, nbytes: int) -> None:
         if nbytes:

@@ -1,0 +1,165 @@
+"""The reader of a sharded training checkpoint: only the overlap of each stored chunk with this rank's slice, in
+byte runs, from its byte source, straight into the destination or through the same staging as the Hub-format
+readers."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...errors import CorruptCheckpointError
+from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
+from ...sources import ByteSource
+from ...types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
+from .. import safetensors, torch_pickle, zip_archive
+from ..base import Reader, SourceFile, Staging, StreamStats, byte_view
+from .coverage import check_covered
+from .layout import DcpLayout, StoredChunk
+
+_MAX_IOV = 1024  # IOV_MAX on Linux
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where a chunk's raw row-major bytes start, or the whole tensor when they are not raw."""
+
+    data_offset: int | None
+    whole: torch.Tensor | None = None
+
+
+def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Runs of a job whose source bytes follow each other: one read each (up to ``_MAX_IOV`` buffers)."""
+    spans: list[list[tuple[int, int, int]]] = []
+    for run in job:
+        if spans and len(spans[-1]) < _MAX_IOV and spans[-1][-1][0] + spans[-1][-1][2] == run[0]:
+            spans[-1].append(run)
+        else:
+            spans.append([run])
+    return spans
+
+
+class DcpReader(Reader):
+    """The stream contract over a ``DcpLayout``: reads only the overlap of each stored chunk with this rank's
+    slice, in byte runs, from ``source`` (local files)."""
+
+    def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: StreamStats, source: ByteSource):
+        self._layout = layout
+        self._chunk_bytes = chunk_bytes
+        self._stats = stats
+        self._source = source
+        self._staging = Staging(stats)
+        self._located: dict[StoredChunk, _Located] = {}
+        self._lock = threading.Lock()
+        self._extra = 0  # archive headers read to locate .distcp tensors
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self._extra += n
+
+    def _locate(self, chunk: StoredChunk) -> _Located:
+        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed member. Read the
+        archive's directory, its pickle and the member's local header (about 1 KiB), each checked as a ``.bin``
+        archive is (``zip_archive.read_archive``), to find where they start; a tensor stored with other strides or
+        byte order is loaded whole instead (the minimal unit then)."""
+        if chunk.raw:
+            return _Located(chunk.byte_offset)
+        found = self._located.get(chunk)
+        if found is not None:
+            return found
+        where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
+        view = SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
+        archive = zip_archive.read_archive(view, name=where)
+        tensor = torch_pickle.unpickle_locations(view, archive, name=where)
+        if not isinstance(tensor, torch_pickle.StoredTensor):
+            raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
+        member = torch_pickle.check_in_storage(f"chunk at {list(chunk.offsets)}", tensor, archive, name=where)
+        if tensor.shape != chunk.sizes or tensor.dtype != chunk.dtype:
+            raise CorruptCheckpointError(
+                f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
+                f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
+            )
+        if tensor.row_major and zip_archive.byte_order(view, archive) == sys.byteorder:
+            located = _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
+        else:
+            whole = torch.load(
+                SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
+            )
+            self._stats.staged(whole.nbytes)
+            self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
+            located = _Located(None, whole.contiguous())
+        with self._lock:
+            self._located[chunk] = located
+        return located
+
+    def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
+        """Chunk reads that together fill ``dst`` with this rank's part of ``info``'s tensor, from every stored
+        chunk that overlaps it. Safe to run on several threads at once."""
+        start, stop = wanted_box(info.shape, shard)
+        local = tuple(b - a for a, b in zip(start, stop))
+        jobs: list[Callable[[], None]] = []
+        for chunk in self._layout.chunks[info.key]:
+            if shard is not None and shard.flat:  # a ZeRO-3 partition: a range of the flattened tensor
+                runs = flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop)
+                if not runs:
+                    continue
+            else:
+                box = overlap(chunk.offsets, chunk.sizes, start, stop)
+                if box is None:
+                    continue
+                lo, hi = box
+                size = tuple(h - l for l, h in zip(lo, hi))
+                runs = box_runs(
+                    chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
+                )
+            self._stats.opened(chunk.file)
+            jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
+        return jobs
+
+    def _read(self, chunk: StoredChunk, dst: torch.Tensor, job: list[tuple[int, int, int]]) -> None:
+        located = self._locate(chunk)
+        flat = dst.view(-1)
+        if located.whole is not None:
+            source = located.whole.reshape(-1)
+            for src, at, n in job:
+                flat[at : at + n].copy_(source[src : src + n])
+            return
+        itemsize, source, start = chunk.dtype.itemsize, self._source, located.data_offset
+        direct = dst.device.type == "cpu" and dst.dtype == chunk.dtype and dst.is_contiguous()
+        for span in _spans(job):
+            if direct:  # one contiguous range of the file, scattered into the destination: one call
+                view = byte_view(dst)
+                source.read_runs(chunk.file, [(view[at * itemsize : (at + n) * itemsize], start + src * itemsize) for src, at, n in span])
+                continue
+            total = sum(n for _, _, n in span) * itemsize
+            buf = self._staging.get(total, pinned=dst.device.type == "cuda")
+            source.read(chunk.file, byte_view(buf), start + span[0][0] * itemsize)
+            values, pos = buf.view(chunk.dtype), 0
+            for _, at, n in span:
+                flat[at : at + n].copy_(values[pos : pos + n])
+                pos += n
+
+    def done(self, info: TensorInfo, nbytes: int) -> None:
+        self._stats.read(nbytes)  # through the progress bar, as every reader
+
+    def close(self) -> None:
+        with self._lock:
+            self._located.clear()
+            self._stats.header_bytes += self._extra
+            self._extra = 0
+
+
+def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
+    """The reader of a sharded training checkpoint (``checkpoint.layout``). ``.distcp`` items are read as raw bytes;
+    the rare chunk stored with other strides is loaded with ``weights_only=True`` whatever ``weights_only`` says."""
+    check_covered(checkpoint, plan)
+    return DcpReader(checkpoint.layout, chunk_bytes, stats, source)
+
+
+def staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, workers: int, per_worker: int, converted: bool) -> int:
+    """Host bytes the reader holds beyond the destinations: as for safetensors (raw bytes, read by ranges)."""
+    return safetensors.staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=converted)
