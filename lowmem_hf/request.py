@@ -259,16 +259,7 @@ def make_request(
                 name, f"from_pretrained({name}={short_repr(value)}) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}."
             )
     distributed_config = check_distributed_config(distributed_config)
-    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
-    requested = dtype if dtype is not None else torch_dtype
-    if requested is None:
-        requested = "auto"  # transformers 5's default
-    if isinstance(requested, dict):
-        raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
-    if requested != "auto":
-        argument = "torch_dtype" if torch_dtype is not None else "dtype"
-        requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
+    requested = _requested_dtype(torch_dtype, dtype)
     check_dtype_policy(dtype_policy)
     if variant is not None and (not isinstance(variant, str) or not variant):
         # transformers inserts it as it is: variant='' looks for model..safetensors and finds nothing
@@ -288,25 +279,10 @@ def make_request(
         )
     _check_generation_config(generation_config)
     _check_key_mapping(key_mapping)
-    if fetch not in FETCH_MODES:
-        raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
-    if not isinstance(read_ahead_bytes, int) or isinstance(read_ahead_bytes, bool) or read_ahead_bytes < 0:
-        raise ValueError(f"read_ahead_bytes must be an int >= 0 (0 reads one submodule at a time), got {read_ahead_bytes!r}.")
-    if not isinstance(mmap, bool):
-        raise ValueError(f"mmap must be True or False, got {mmap!r}.")
-    if mmap and disable_mmap:
-        raise ValueError("mmap=True and disable_mmap=True disagree; pass one of them.")
-    if not isinstance(fetch_span_bytes, int) or isinstance(fetch_span_bytes, bool) or fetch_span_bytes < 1:
-        raise ValueError(f"fetch_span_bytes must be a positive int, got {fetch_span_bytes!r}.")
-    if not isinstance(verify_downloads, bool):
-        raise ValueError(f"verify_downloads must be True or False, got {verify_downloads!r}.")
-    if checkpoint_format not in (None, "dcp"):
-        raise ValueError(
-            f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
-            "checkpoint (torch.distributed.checkpoint), or leave it None to detect the format from the files."
-        )
+    _check_read_options(
+        fetch=fetch, chunk_bytes=chunk_bytes, read_ahead_bytes=read_ahead_bytes, mmap=mmap, disable_mmap=disable_mmap,
+        fetch_span_bytes=fetch_span_bytes, verify_downloads=verify_downloads, checkpoint_format=checkpoint_format,
+    )
     return LoadRequest(
         target=target,
         name_or_path=os.fspath(pretrained_model_name_or_path),
@@ -347,6 +323,48 @@ def make_request(
         tqdm_class=tqdm_class,
         checkpoint_format=checkpoint_format,
     )
+
+def _requested_dtype(torch_dtype: Any, dtype: Any) -> Any:
+    """The declared dtype of ``torch_dtype``/``dtype`` (transformers 5's two names for it): ``"auto"`` or a float
+    ``torch.dtype``."""
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
+    requested = dtype if dtype is not None else torch_dtype
+    if requested is None:
+        requested = "auto"  # transformers 5's default
+    if isinstance(requested, dict):
+        raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
+    if requested != "auto":
+        argument = "torch_dtype" if torch_dtype is not None else "dtype"
+        requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
+    return requested
+
+
+def _check_read_options(
+    *, fetch: str, chunk_bytes: Any, read_ahead_bytes: Any, mmap: Any, disable_mmap: Any, fetch_span_bytes: Any,
+    verify_downloads: Any, checkpoint_format: Any,
+) -> None:
+    """The arguments that steer how the bytes are read: each its type and range, or a ``ValueError`` naming it."""
+    if fetch not in FETCH_MODES:
+        raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if not isinstance(read_ahead_bytes, int) or isinstance(read_ahead_bytes, bool) or read_ahead_bytes < 0:
+        raise ValueError(f"read_ahead_bytes must be an int >= 0 (0 reads one submodule at a time), got {read_ahead_bytes!r}.")
+    if not isinstance(mmap, bool):
+        raise ValueError(f"mmap must be True or False, got {mmap!r}.")
+    if mmap and disable_mmap:
+        raise ValueError("mmap=True and disable_mmap=True disagree; pass one of them.")
+    if not isinstance(fetch_span_bytes, int) or isinstance(fetch_span_bytes, bool) or fetch_span_bytes < 1:
+        raise ValueError(f"fetch_span_bytes must be a positive int, got {fetch_span_bytes!r}.")
+    if not isinstance(verify_downloads, bool):
+        raise ValueError(f"verify_downloads must be True or False, got {verify_downloads!r}.")
+    if checkpoint_format not in (None, "dcp"):
+        raise ValueError(
+            f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
+            "checkpoint (torch.distributed.checkpoint), or leave it None to detect the format from the files."
+        )
+
 
 
 def signature_defaults() -> dict[str, Any]:

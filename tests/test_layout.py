@@ -347,7 +347,10 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 150, 60
 # {qualified name: reason}: what may stay above its limit, and why. An entry that is no longer above its limit fails
 # the test too, so the list only shrinks.
 SIZE_EXCEPTIONS = {
-    "lowmem_hf.request.make_request": "its signature is the argument list (46 lines, STYLE convention 1)",
+    "lowmem_hf.request.make_request": (
+        "its signature and the LoadRequest it returns name every argument, one line each (46 + 45 lines, STYLE "
+        "convention 1: keyword-only, every parameter listed); the checks are helpers"
+    ),
 }
 
 
