@@ -5,8 +5,9 @@ byte source, stream, finish, report).
     model, report = execute(prepared)   # fetch, stream submodule by submodule, assign, finalize, prove, report
 
 Each step is a call into its own module: ``routing`` (transformers' model class and config, the checkpoint's
-resolution), ``plan/`` (the skeleton on meta, the dtype policy, this rank's reads), ``fetch/`` (the byte source),
-``stream`` and ``assign``, ``report``. ``from_pretrained`` is both halves; a dry run (``lowmem-hf plan``) is
+resolution), ``build`` (the skeleton on meta and its dtype), ``distributed`` (the engine that places the
+parameters), ``plan/`` (the dtype policy, this rank's reads), ``fetch/`` (the byte source), ``stream`` and
+``assign``, ``report``. ``from_pretrained`` is both halves; a dry run (``lowmem-hf plan``) is
 ``prepare`` alone. Everything model-specific (config classes, key renames, dtype rules, init, tying) is
 transformers' own.
 """
@@ -22,17 +23,17 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from . import assign as _assign
+from .build import build, decide_dtype, reject_empty_plan
 from .compat import transformers_api as hf
 from .distributed import Engine, engine_for
 from .distributed.tp import TPRequest, request_tp
+from .estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .fetch.choose import FetchOptions, open_source, reads_local_files
 from .formats import StreamStats, dcp, open_reader
 from .formats.safetensors import check_mmap
 from .hub import pin_revision
 from .logs import log_load
 from .plan import DtypePolicy, KeyMapping, make_plan, map_checkpoint_keys
-from .build import build, decide_dtype, reject_empty_plan
-from .estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import LoadRequest
