@@ -126,7 +126,7 @@ def _shard_size(model) -> str:
     return f"{max(1, int(total / 4e6))}MB"
 
 
-def make_llama_checkpoint(workdir, size_gb: float, dtype) -> Path:
+def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int] | None = None, name: str | None = None) -> Path:
     """Sharded safetensors Llama checkpoint (500MB shards + model.safetensors.index.json;
     checkpoints under 1 GB use ~1/4 of their size per shard so they are still sharded).
 
@@ -136,12 +136,16 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype) -> Path:
     ``workdir/llama-<size>gb-<dtype>``; rebuilt if the completion marker is missing/stale.
     Also writes ``bench_fingerprint.json`` ({dtype: {key: tensor_fingerprint}}) for float32
     and bfloat16 (the values any correct loader must produce for that target dtype).
+
+    ``dims`` (``hidden``, ``inter``, ``layers``, ``heads``, ``kv_heads``, ``vocab``) gives the model's shape instead
+    of ``size_gb`` (the shape sweep's real model widths), cached as ``workdir/llama-<name>-<dtype>``.
     """
     import torch
 
-    dims = llama_dims(size_gb)
+    label = f"{size_gb:g}gb" if dims is None else name
+    dims = llama_dims(size_gb) if dims is None else dict(dims)
     name = _dtype_name(dtype)
-    out = Path(workdir) / f"llama-{size_gb:g}gb-{name}"
+    out = Path(workdir) / f"llama-{label}-{name}"
     want = {"version": GENERATOR_VERSION, "seed": SEED, "dims": dims, "dtype": name}
     marker = _read_marker(out)
     if marker is not None and all(marker.get(k) == v for k, v in want.items()):
