@@ -126,7 +126,15 @@ def _plan(args) -> int:
 
 def _load_parser(p: argparse.ArgumentParser) -> None:
     _model_options(p)
-    p.add_argument("--compare-transformers", action="store_true", help="also load with transformers' from_pretrained, measured the same way")
+    p.add_argument(
+        "--compare-transformers", action="store_true",
+        help="also load with transformers' from_pretrained and with bare (read + convert, no model), measured the same way",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None,
+        help="rounds of loads, the loaders alternating in order between rounds; medians are printed (default: 3 with "
+        "--compare-transformers, else 1)",
+    )
     p.add_argument("--plot", metavar="FILE", help="draw host memory over the time of each load into a PNG (needs lowmem_hf[plot])")
 
 
@@ -140,14 +148,14 @@ def _check_plot(args) -> None:
         raise UsageError(f"--plot needs matplotlib ({error}): pip install 'lowmem_hf[plot]'") from None
 
 
-def _measured(args, loader: str) -> dict:
+def _measured(args, loader: str, files: list[str]) -> dict:
     """One load in a fresh child process, memory sampled from here (see ``lowmem_hf.measured_load``)."""
     from .measured_load import run_child
 
     argv = [
         sys.executable, "-m", "lowmem_hf.measured_load", args.model, "--loader", loader, "--auto-class", args.auto_class,
         "--dtype", args.dtype, "--dtype-policy", args.dtype_policy, "--fetch", args.fetch, "--tp-size", str(args.tp_size),
-    ] + (["--revision", args.revision] if args.revision else [])
+    ] + (["--revision", args.revision] if args.revision else []) + (["--files", *files] if loader == "bare" else [])
     with tempfile.TemporaryFile("w+") as stderr:
         result = run_child(argv, stderr=stderr, keep_series=args.plot is not None)
         if not result["ok"]:
@@ -226,12 +234,49 @@ def _plot(args, runs: list[dict], rank: int) -> str:
     return path
 
 
+def _print_loads(runs: list[dict], *, tag: str, downloaded: int, warmed: bool, initially: float | None) -> None:
+    """The human-readable lines of ``lowmem-hf load``: one per loader, then the comparison's ratios."""
+    from .comparison import comparison_lines
+
+    if downloaded:
+        print(f"{tag}downloaded {downloaded} weight file(s) into the HF cache before timing, so both loads read them from there")
+    if warmed:
+        print(f"{tag}the weight files were {initially:.0%} in the page cache: read once before timing, so both loads start warm")
+    for r in runs:
+        throughput = (r["rchar"] / _MIB) / r["seconds"] if r["seconds"] else 0.0
+        read = f"{r['bytes_read'] / _MIB:.1f} MiB read" if r["bytes_read"] is not None else "bytes read: n/a"
+        cache = f", page cache {r['page_cache_fraction']:.0%}" if r["page_cache_fraction"] is not None else ""
+        each = f" (runs {', '.join(f'{t:.2f}' for t in r['runs_seconds'])})" if len(r["runs_seconds"]) > 1 else ""
+        print(
+            f"{tag}{r['loader']:>12}: {r['seconds']:.2f} s{each}{cache}, {read}, rchar {r['rchar'] / _MIB:.1f} MiB "
+            f"({throughput:.0f} MiB/s), model {r['model_bytes'] / _MIB:.1f} MiB, peak above baseline RssAnon "
+            f"{r['peak_rss_anon_bytes'] / _MIB:.1f} MiB / VmHWM {r['peak_vm_hwm_bytes'] / _MIB:.1f} MiB"
+        )
+        if r["loader"] != "bare":
+            print(f"{tag}{'':>12}  missing {r['missing_keys'] or 'none'}, unexpected {r['unexpected_keys'] or 'none'}")
+    for line in comparison_lines(runs):
+        print(f"{tag}{line}")
+    if len(runs) >= 2:
+        caches = [r["page_cache_fraction"] for r in runs[:2]]
+        if None not in caches and abs(caches[0] - caches[1]) > 0.1:
+            print(
+                f"{tag}not like for like: the weight files were {caches[0]:.0%} / {caches[1]:.0%} in the page cache "
+                "when each load began, so the time ratio compares loads from different cache states"
+                + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
+            )
+
+
 def _load(args) -> int:
     _check_plot(args)
     if args.tp_size > 1 and launcher_rank() is None:
         raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
+    repeats = args.repeats if args.repeats is not None else (3 if args.compare_transformers else 1)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {repeats}")
     rank = launcher_rank() or 0
     prepared = _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
+    from .comparison import round_order, summarize
+    from .measured_load import bare_files_supported
     from .sources.local import cached_fraction
 
     # A comparison is only worth its ratio if both loads start from the same state: a Hub repo's files downloaded
@@ -241,11 +286,17 @@ def _load(args) -> int:
     files, downloaded = _local_weight_files(prepared, download=compare_files)
     initially = cached_fraction(files) if files else None
     warmed = args.compare_transformers and initially is not None and initially < 0.99 and _warm_page_cache(files)
+    loaders = ["lowmem"]
+    if args.compare_transformers:
+        # bare reads the weight files directly: one process, local files, the formats it knows
+        loaders += ["transformers"] + (["bare"] if args.tp_size == 1 and bare_files_supported(files) else [])
     runs = []
-    for loader in ["lowmem"] + (["transformers"] if args.compare_transformers else []):
-        fraction = cached_fraction(files) if files else None
-        runs.append({**_measured(args, loader), "page_cache_fraction": fraction})
-    plotted = _plot(args, runs, rank) if args.plot else None
+    for round_index in range(repeats):
+        for loader in round_order(loaders, round_index):
+            fraction = cached_fraction(files) if files else None
+            runs.append({**_measured(args, loader, files), "page_cache_fraction": fraction, "round": round_index})
+    plotted = _plot(args, [r for r in runs if r["round"] == 0 and r["loader"] != "bare"], rank) if args.plot else None
+    runs = summarize(runs)
     if args.json:
         print(json.dumps({
             "model": args.model, "rank": rank, "downloaded_files": downloaded, "page_cache_fraction": initially,
@@ -253,34 +304,7 @@ def _load(args) -> int:
         }, indent=2))
         return 0
     tag = f"[rank {rank}] " if launcher_rank() is not None else ""
-    if downloaded:
-        print(f"{tag}downloaded {downloaded} weight file(s) into the HF cache before timing, so both loads read them from there")
-    if warmed:
-        print(f"{tag}the weight files were {initially:.0%} in the page cache: read once before timing, so both loads start warm")
-    for r in runs:
-        throughput = (r["rchar"] / _MIB) / r["seconds"] if r["seconds"] else 0.0
-        read = f"{r['bytes_read'] / _MIB:.1f} MiB read" if r["bytes_read"] is not None else "bytes read: n/a"
-        cache = f", page cache {r['page_cache_fraction']:.0%}" if r["page_cache_fraction"] is not None else ""
-        print(
-            f"{tag}{r['loader']:>12}: {r['seconds']:.2f} s{cache}, {read}, rchar {r['rchar'] / _MIB:.1f} MiB "
-            f"({throughput:.0f} MiB/s), model {r['model_bytes'] / _MIB:.1f} MiB, peak above baseline RssAnon "
-            f"{r['peak_rss_anon_bytes'] / _MIB:.1f} MiB / VmHWM {r['peak_vm_hwm_bytes'] / _MIB:.1f} MiB"
-        )
-        print(f"{tag}{'':>12}  missing {r['missing_keys'] or 'none'}, unexpected {r['unexpected_keys'] or 'none'}")
-    if len(runs) == 2:
-        ours, theirs = runs
-        ratio = lambda key: ours[key] / theirs[key] if theirs[key] else float("nan")  # noqa: E731
-        print(
-            f"{tag}lowmem_hf / transformers: time {ratio('seconds'):.2f}x, RssAnon {ratio('peak_rss_anon_bytes'):.2f}x, "
-            f"VmHWM {ratio('peak_vm_hwm_bytes'):.2f}x (rchar does not count transformers' mmap page-ins)"
-        )
-        caches = [r["page_cache_fraction"] for r in runs]
-        if None not in caches and abs(caches[0] - caches[1]) > 0.1:
-            print(
-                f"{tag}not like for like: the weight files were {caches[0]:.0%} / {caches[1]:.0%} in the page cache "
-                "when each load began, so the time ratio compares loads from different cache states"
-                + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
-            )
+    _print_loads(runs, tag=tag, downloaded=downloaded, warmed=warmed, initially=initially)
     if plotted:
         print(f"{tag}memory over time drawn into {plotted}")
     return 0

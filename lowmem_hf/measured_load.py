@@ -15,7 +15,8 @@ each prefixed with ``PREFIX``, answered by one line on its stdin; other stdout l
     parent -> "exit"
 
 ``benchmarks/measure.py`` drives several such children at once (the ranks of a parallel load) with ``Child``.
-The child here is ``python -m lowmem_hf.measured_load --loader lowmem|transformers MODEL ...``.
+The child here is ``python -m lowmem_hf.measured_load --loader lowmem|transformers|bare MODEL ...``; ``bare`` reads
+and converts the weight files named by ``--files`` with no model (the floor a comparison reads both loaders against).
 """
 
 from __future__ import annotations
@@ -263,14 +264,46 @@ def _rchar() -> int:
 def _child_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lowmem_hf.measured_load")
     p.add_argument("model")
-    p.add_argument("--loader", choices=["lowmem", "transformers"], required=True)
+    p.add_argument("--loader", choices=["lowmem", "transformers", "bare"], required=True)
     p.add_argument("--auto-class", default="AutoModelForCausalLM")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--dtype-policy", default="declared")
     p.add_argument("--revision")
     p.add_argument("--fetch", default="files")
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--files", nargs="*", default=[], help="bare: the local weight files to read")
     return p.parse_args(argv)
+
+
+def bare_files_supported(files: Sequence[str]) -> bool:
+    """Whether ``bare`` can read these weight files (safetensors or ``torch.save`` ones)."""
+    return bool(files) and all(f.endswith((".safetensors", ".bin")) for f in files)
+
+
+def _bare(files: Sequence[str], dtype) -> tuple[int, list[Any]]:
+    """Every tensor of ``files`` read and converted into fresh memory of ``dtype`` (None: its stored dtype), on as many
+    threads as there are cores, and nothing else: the bytes any load of the request must read and write. Returns the
+    bytes held and the tensors (kept alive until the parent has sampled the peak)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors import safe_open
+
+    def convert(t):
+        return torch.empty(t.shape, dtype=dtype or t.dtype).copy_(t)  # a copy even where the dtype does not change
+
+    handles, futures = [], []
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for file in files:
+            if file.endswith(".safetensors"):
+                handle = safe_open(file, framework="pt")
+                handles.append(handle)
+                futures += [pool.submit(lambda h, k: convert(h.get_tensor(k)), handle, k) for k in handle.keys()]
+            else:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                futures += [pool.submit(convert, t) for t in state.values()]
+        tensors = [f.result() for f in futures]
+    return sum(t.numel() * t.element_size() for t in tensors), tensors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rchar = _rchar()
     start = time.perf_counter()
-    if args.loader == "lowmem":
+    if args.loader == "bare":
+        model_bytes, model = _bare(args.files, None if args.dtype == "auto" else dtype)
+        report, info = None, {"missing_keys": [], "unexpected_keys": []}
+    elif args.loader == "lowmem":
         model, report = getattr(lowmem_hf, "LowMem" + args.auto_class).from_pretrained(
             args.model, torch_dtype=dtype, dtype_policy=args.dtype_policy, revision=args.revision, fetch=args.fetch,
             output_loading_info=True, **tp,
@@ -312,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": seconds,
         "rchar": rchar,
         "bytes_read": report.bytes_read if args.loader == "lowmem" else None,
-        "model_bytes": model_nbytes(model),
+        "model_bytes": model_bytes if args.loader == "bare" else model_nbytes(model),
         "missing_keys": sorted(info["missing_keys"]),
         "unexpected_keys": sorted(info["unexpected_keys"]),
         "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,

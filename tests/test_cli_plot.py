@@ -26,14 +26,14 @@ def test_a_comparison_draws_both_loaders_memory_over_time_into_a_png(make_checkp
     png = tmp_path / "memory.png"
     proc = subprocess.run(
         [sys.executable, "-m", "lowmem_hf", "load", make_checkpoint("llama", "sharded"), "--dtype", "bfloat16",
-         "--compare-transformers", "--plot", str(png), "--json"],
+         "--compare-transformers", "--repeats", "1", "--plot", str(png), "--json"],
         env=_env(tmp_path), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [r["loader"] for r in out["loads"]] == ["lowmem", "transformers"]
+    assert [r["loader"] for r in out["loads"]] == ["lowmem", "transformers", "bare"]  # bare is measured, not drawn
     for run in out["loads"]:
         seconds = [s[0] for s in run["series"]]
         assert len(seconds) >= 2 and seconds == sorted(seconds)  # sampled from the start of the load to its end

@@ -1,0 +1,69 @@
+"""``lowmem-hf load --compare-transformers``: the repeated loads summed up as medians, ratios and multiples of ``bare``.
+
+One load per loader is one sample of a noisy quantity: on a shared or virtualized machine two loads of the same
+checkpoint in a row can differ by half (page faults on fresh memory cost what the hypervisor makes them cost). So
+the comparison runs ``--repeats`` rounds, each loader once per round in an order that alternates between rounds,
+and judges by medians and by the rounds each loader won. ``bare`` (one process only) is the floor: every tensor
+of the checkpoint read and converted into fresh memory, with no model, no plan and no checks; how far each loader
+is from it is what a loader's own work costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["round_order", "summarize", "comparison_lines"]
+
+_MIB = 1024 * 1024
+_MEMORY = ("peak_rss_anon_bytes", "peak_vm_hwm_bytes")
+
+
+def round_order(loaders: list[str], round_index: int) -> list[str]:
+    """The loaders in the order round ``round_index`` runs them: as given in even rounds, reversed in odd ones, so
+    that no loader always runs first (after a page-cache warm-up) or last."""
+    return list(loaders) if round_index % 2 == 0 else list(reversed(loaders))
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per loader (in first-seen order) from every run: the median time, each run's time, and the highest
+    memory peaks of its runs (the peak is a bound, so the worst run is the honest one)."""
+    loaders: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        loaders.setdefault(run["loader"], []).append(run)
+    summary = []
+    for loader, own in loaders.items():
+        entry = {**own[0], "seconds": statistics.median(r["seconds"] for r in own), "runs_seconds": [r["seconds"] for r in own]}
+        entry.update({key: max(r[key] for r in own) for key in _MEMORY if key in own[0]})
+        summary.append(entry)
+    return summary
+
+
+def _wins(ours: list[float], theirs: list[float]) -> int:
+    return sum(a < b for a, b in zip(ours, theirs))
+
+
+def comparison_lines(summary: list[dict[str, Any]]) -> list[str]:
+    """The ratio lines under the per-loader lines: lowmem_hf against transformers (medians, rounds won, memory), and
+    each loader as a multiple of ``bare`` where it ran."""
+    by = {entry["loader"]: entry for entry in summary}
+    ours, theirs, bare = by.get("lowmem"), by.get("transformers"), by.get("bare")
+    lines = []
+    if ours and theirs:
+        rounds = len(ours["runs_seconds"])
+        ratio = lambda key: ours[key] / theirs[key] if theirs[key] else float("nan")  # noqa: E731
+        lines.append(
+            f"lowmem_hf / transformers: time {ratio('seconds'):.2f}x (medians of {rounds}, alternating; lowmem_hf "
+            f"faster in {_wins(ours['runs_seconds'], theirs['runs_seconds'])} of {rounds}), RssAnon "
+            f"{ratio('peak_rss_anon_bytes'):.2f}x, VmHWM {ratio('peak_vm_hwm_bytes'):.2f}x (rchar does not count "
+            "transformers' mmap page-ins)"
+        )
+    if bare and bare["seconds"]:
+        multiples = ", ".join(
+            f"{name} {by[loader]['seconds'] / bare['seconds']:.2f}x" for loader, name in (("lowmem", "lowmem_hf"), ("transformers", "transformers"))
+            if loader in by
+        )
+        lines.append(
+            f"against bare (every tensor read and converted into fresh memory, nothing else: {bare['seconds']:.2f} s): {multiples}"
+        )
+    return lines
