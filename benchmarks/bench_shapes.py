@@ -1,7 +1,7 @@
 """Time to a usable model at the tensor widths real models have, lowmem_hf against transformers and ``bare``.
 
     python benchmarks/bench_shapes.py [--shapes 1024 llama2-7b llama3-8b llama3-70b] [--cases fp32_to_bf16 bf16_to_bf16]
-        [--formats safetensors bin] [--cache warm cold] [--ranks 1 2] [--repeats 3] [--workdir DIR]
+        [--formats safetensors bin] [--cache warm cold] [--ranks 1 2] [--repeats 3] [--workdir DIR] [--against REV]
 
 ``bench_usable.py`` measures one shape, hidden 1024 (16 MB tensors); a 7B model's tensors are 45-180 MB and a 70B
 model's up to 940 MB (fp32), and where the time goes depends on that size. Each shape here is a Llama with a real
@@ -20,7 +20,9 @@ floor both loaders are read against. Printed per row: medians of lowmem_hf's and
 their ratio, the repeats lowmem_hf won, each loader as a multiple of bare, both loaders' time to the end of a first
 in-place write of every parameter (where transformers' parameters are views of the files it mapped, as for a
 checkpoint loaded in its stored dtype, its return is early and the write pays the reads), and lowmem_hf's peak
-RssAnon and VmHWM above the post-import baseline per final model byte. Exit status 1 only if a child failed.
+RssAnon and VmHWM above the post-import baseline per final model byte. ``--against REV`` adds lowmem_hf as of a
+git revision, timed in the same rounds, to measure a change against what it replaces. Exit status 1 only if a child
+failed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_usable import run  # noqa: E402
+from bench_usable import extract_revision, run  # noqa: E402
 from checkpoints import drop_page_cache, llama_dims, make_bin_twin, make_llama_checkpoint, prewarm_page_cache  # noqa: E402
 from measure import boost_sampler_priority  # noqa: E402
 
@@ -56,18 +58,20 @@ def checkpoint(workdir: Path, shape: str, stored: torch.dtype, fmt: str) -> Path
     return st if fmt == "safetensors" else make_bin_twin(st, workdir / (st.name + "-bin"))
 
 
-def measure(path: Path, dtype: str, ranks: int, cache: str, repeats: int, logdir: Path, tag: str) -> dict[str, list[dict]]:
-    """Every loader's runs on one checkpoint, alternating within each repeat; per run, the job's slowest rank."""
-    loaders = ("lowmem", "transformers") + (("bare",) if ranks == 1 else ())
+def measure(path: Path, dtype: str, ranks: int, cache: str, repeats: int, logdir: Path, tag: str,
+            against: str | None = None) -> dict[str, list[dict]]:
+    """Every loader's runs on one checkpoint, alternating within each repeat (in reverse order every other repeat,
+    so no loader always runs first); per run, the job's slowest rank."""
+    loaders = ("lowmem", "transformers") + ((f"lowmem@{against}",) if against else ()) + (("bare",) if ranks == 1 else ())
     runs: dict[str, list[dict]] = {loader: [] for loader in loaders}
     for rep in range(repeats):
-        for loader in loaders:
+        for loader in loaders if rep % 2 == 0 else loaders[::-1]:
             drop_page_cache() if cache == "cold" else prewarm_page_cache(path)
             got = run(loader, path, dtype, ranks, logdir, f"{tag}-{rep}")
             slowest = max(got, key=lambda r: r["load_seconds"])
             slowest.update(rss_anon=max(r["rss_anon"] for r in got), vmhwm=max(r["vmhwm"] for r in got))
             runs[loader].append(slowest)
-            print(f"  [{tag} {loader:<12} #{rep}] return {slowest['load_seconds']:.2f}s  RssAnon {slowest['rss_anon']:.3f}x  "
+            print(f"  [{tag} {loader:<20} #{rep}] return {slowest['load_seconds']:.2f}s  RssAnon {slowest['rss_anon']:.3f}x  "
                   f"VmHWM {slowest['vmhwm']:.3f}x", flush=True)
     return runs
 
@@ -79,6 +83,10 @@ def row(runs: dict[str, list[dict]]) -> str:
     won = sum(a["load_seconds"] <= b["load_seconds"] for a, b in zip(runs["lowmem"], runs["transformers"]))
     bare = med.get("bare")
     floors = f"{med['lowmem'] / bare:.2f}x | {med['transformers'] / bare:.2f}x" if bare else "- | -"
+    previous = next((loader for loader in runs if loader.startswith("lowmem@")), None)
+    if previous:  # the change measured against what it replaces, in the same run
+        won_previous = sum(a["load_seconds"] < b["load_seconds"] for a, b in zip(runs["lowmem"], runs[previous]))
+        floors += f" | {med['lowmem'] / med[previous]:.2f}x ({won_previous}/{len(runs['lowmem'])})"
     rss = statistics.median(r["rss_anon"] for r in runs["lowmem"])
     hwm = statistics.median(r["vmhwm"] for r in runs["lowmem"])
     tf_rss = statistics.median(r["rss_anon"] for r in runs["transformers"])
@@ -96,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=str(HERE / "_work"))
+    ap.add_argument("--against", metavar="REV", help="also time lowmem_hf as of this git revision (lowmem@REV)")
     args = ap.parse_args(argv)
 
     workdir = Path(args.workdir).resolve()
@@ -106,6 +115,7 @@ def main(argv=None) -> int:
         print("[shapes] cannot drop the page cache here (needs root): cold rows skipped", flush=True)
         caches.remove("cold")
     print(f"[shapes] sampler {boost_sampler_priority()}", flush=True)
+    against = extract_revision(args.against, workdir) if args.against else None
 
     table = []
     for shape in args.shapes:
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
                 for cache in caches:
                     for ranks in args.ranks:
                         tag = f"{shape} {case} {fmt} {cache} {ranks}r"
-                        runs = measure(path, dtype, ranks, cache, args.repeats, logdir, tag.replace(" ", "-"))
+                        runs = measure(path, dtype, ranks, cache, args.repeats, logdir, tag.replace(" ", "-"), against)
                         table.append(f"| {shape} | {case} | {fmt} | {cache} | {ranks} | {row(runs)} |")
 
     print(f"\nmedians of {args.repeats}, loaders alternating; ratio = lowmem_hf / transformers; won = repeats lowmem_hf "
@@ -124,8 +134,9 @@ def main(argv=None) -> int:
           "end of a first in-place write of every parameter; memory = lowmem_hf's peak above the "
           "post-import baseline per model byte (RssAnon also against transformers')")
     print("| shape | case | format | cache | ranks | lowmem_hf | transformers | ratio | won | lowmem_hf x bare | "
-          "transformers x bare | first write, lowmem_hf / transformers | RssAnon | VmHWM |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "transformers x bare | " + (f"lowmem_hf x lowmem@{against} (won) | " if against else "")
+          + "first write, lowmem_hf / transformers | RssAnon | VmHWM |")
+    print("| --- " * (15 if against else 14) + "|")
     print("\n".join(table))
     return 0
 
