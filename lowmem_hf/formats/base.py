@@ -111,7 +111,7 @@ class RangeReader(Reader):
     Same dtype on a CPU destination: straight into the destination's memory (``source.populate`` first: a local
     source faults its fresh pages in before the copy), no staging at all. Otherwise: through
     one reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device),
-    converted by ``copy_`` chunk by chunk. Every read is ``read``/``read_runs`` of the source (``preadv`` for local
+    converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is ``read``/``read_runs`` of the source (``preadv`` for local
     files): a file that ends early raises the source's named error, where a mapping of it would kill the process
     with SIGBUS.
     """
@@ -162,6 +162,7 @@ class RangeReader(Reader):
 
         flat = dst.view(-1)
         pinned = dst.device.type == "cuda"
+        host = dst.device.type == "cpu"
 
         def staged(chunk: list[tuple[int, int, int]]) -> None:
             total = sum(n for _, _, n in chunk)
@@ -172,7 +173,10 @@ class RangeReader(Reader):
                 pos += n * itemsize
             source.read_runs(info.file, parts)
             first = chunk[0][1]  # the runs of a chunk are consecutive in the destination
-            flat[first : first + total].copy_(buf.view(info.dtype))
+            out = flat[first : first + total]
+            if host:
+                source.populate([byte_view(out)])  # the destination's fresh pages, in one call rather than in the copy
+            out.copy_(buf.view(info.dtype))
 
         return [functools.partial(staged, c) for c in chunks]
 
@@ -197,7 +201,10 @@ class RangeReader(Reader):
             buf = self._staging.get(span * itemsize, pinned=pinned)
             source.read(info.file, byte_view(buf), info.offset + (first + r0 * stride) * itemsize)
             stored = buf.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
-            flat[r0 * n : r1 * n].view(r1 - r0, n).copy_(stored)
+            out = flat[r0 * n : r1 * n]
+            if dst.device.type == "cpu":
+                source.populate([byte_view(out)])
+            out.view(r1 - r0, n).copy_(stored)
             source.count_gap((r1 - r0 - 1) * (stride - n) * itemsize)
 
         return [functools.partial(band, r, min(r + per_band, rows)) for r in range(0, rows, per_band)]

@@ -333,9 +333,11 @@ def _populate(view: memoryview) -> None:
     the kernel's copy, one page at a time; ``MADV_POPULATE_WRITE`` takes them all in one call first. Measured on
     the 2 GB fp32 checkpoint loaded as fp32 (every tensor read straight into the model's memory), page-cache warm
     (``bench_usable.py --cases fp32_st_to_fp32``, benchmarks/README.md), it saves about 5% of the load in one process
-    and about 8% at 2 TP ranks. Not for memory already touched (the staging buffers of a
-    converted load): there it only walks the pages again, and a converted load was 10% slower with it. Only pages
-    wholly inside ``view`` are touched, and their contents are not changed. Neither torch nor Python offers it.
+    and about 8% at 2 TP ranks. A converted load populates each chunk's destination (fresh model memory, written by
+    the converting ``copy_``) the same way: at every width of ``bench_shapes.py --against`` the load spends less
+    CPU in page faults (benchmarks/README.md). Not for memory already touched (the staging buffers): there it only
+    walks the pages again, and a converted load was 10% slower with it. Only pages wholly inside ``view`` are
+    touched, and their contents are not changed. Neither torch nor Python offers it.
     Where the kernel has no ``MADV_POPULATE_WRITE`` (before 5.14), or not Linux, nothing is done.
     """
     global _populate_works
