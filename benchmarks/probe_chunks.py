@@ -5,7 +5,8 @@
 
 Loads the checkpoint in DIR as bf16 in this one process, transformers then lowmem_hf at each ``chunk_bytes``,
 alternating within each repeat, and prints each loader's median time to ``from_pretrained`` return and its ratio
-to transformers. A probe, not a benchmark: no memory is sampled and the loads share one process (the model's
+to transformers, with where the CPU went (``getrusage``: user and kernel seconds, minor page faults; a fault per
+4 KiB page of fresh memory is the kernel's share of a converted load). A probe, not a benchmark: no memory is sampled and the loads share one process (the model's
 module is imported before the first clock). ``bench_shapes.py`` is the measurement; this says which knob moves
 it. Note that ``chunk_bytes`` is capped by the load so staging stays within 1/128 of the bytes loaded
 (``stream.staging_chunk_bytes``): chunks above that cap measure the cap.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import statistics
 import time
 
@@ -33,12 +35,16 @@ def main() -> None:
     args = ap.parse_args()
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(args.path))]  # the modeling module, before the clock
     times: dict[str, list[float]] = {}
+    usage: dict[str, list[tuple[float, float, int]]] = {}
 
     def timed(name: str, load) -> None:
         gc.collect()
-        start = time.perf_counter()
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         model = load()
         times.setdefault(name, []).append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage.setdefault(name, []).append(
+            (after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
         del model
         gc.collect()
 
@@ -50,8 +56,9 @@ def main() -> None:
     reference = statistics.median(times["transformers"])
     print(f"intra-op threads: {torch.get_num_threads()}; medians of {args.repeats}")
     for name, runs in times.items():
+        user, system, faults = (statistics.median(u[i] for u in usage[name]) for i in range(3))
         print(f"{name:<26} {statistics.median(runs):.3f} s  {statistics.median(runs) / reference:.2f}x  "
-              f"{[round(t, 2) for t in runs]}")
+              f"user {user:.2f} s  kernel {system:.2f} s  minor faults {faults:.0f}  {[round(t, 2) for t in runs]}")
 
 
 if __name__ == "__main__":
