@@ -117,6 +117,8 @@ class LoadRequest:
     """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
     verify_downloads: bool = True
     """Hub loads: hash each LFS file downloaded during the load against the sha256 the Hub publishes (its ETag)."""
+    storage_options: Mapping[str, Any] | None = None
+    """Object-store loads: the fsspec filesystem's options (endpoint, credentials); None: the provider chain."""
     tp: TPOptions = field(default_factory=TPOptions)
     config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
@@ -230,6 +232,7 @@ def make_request(
     fetch: str = "files",
     fetch_span_bytes: int = DEFAULT_SPAN_BYTES,
     verify_downloads: bool = True,
+    storage_options: dict | None = None,
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
@@ -278,6 +281,12 @@ def make_request(
             fix="Pass a folder path, or leave it out for the default HF cache.",
         )
     _check_generation_config(generation_config)
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ArgumentTypeError(
+            f"storage_options must be a dict of the fsspec filesystem's options, or None, got "
+            f"{type(storage_options).__name__}.", key="storage_options", expected="dict or None",
+            found=type(storage_options).__name__, fix="Pass a dict such as {'endpoint_url': ...}.",
+        )
     _check_key_mapping(key_mapping)
     _check_read_options(
         fetch=fetch, chunk_bytes=chunk_bytes, read_ahead_bytes=read_ahead_bytes, mmap=mmap, disable_mmap=disable_mmap,
@@ -318,6 +327,7 @@ def make_request(
         fetch=fetch,
         fetch_span_bytes=fetch_span_bytes,
         verify_downloads=verify_downloads,
+        storage_options=MappingProxyType(dict(storage_options)) if storage_options is not None else None,
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,
