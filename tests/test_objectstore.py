@@ -70,3 +70,127 @@ def test_a_stored_checkpoint_loads_as_transformers_loads_its_local_copy(s3, stor
     if fmt != "bin":  # safetensors: only the planned ranges, each once
         stored_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
         assert report.bytes_fetched <= stored_bytes
+
+
+def _request(url: str, **kwargs):
+    return lowmem_hf.make_request(transformers.AutoModelForCausalLM, url, **kwargs)
+
+
+def test_an_object_replaced_after_planning_fails_the_load_naming_it(s3, stored, make_checkpoint):
+    folder, _ = stored("sharded")
+    url = s3.upload(folder, "llama-replaced")
+    prepared = lowmem_hf.prepare(_request(url, storage_options=s3.storage_options()))
+    shard = "model-00002-of-00003.safetensors"
+    fs = s3.fs()
+    data = bytearray(fs.cat_file(f"{s3.bucket}/llama-replaced/{shard}"))
+    data[-1] ^= 0xFF  # same size, another object (another ETag)
+    fs.pipe_file(f"{s3.bucket}/llama-replaced/{shard}", bytes(data))
+    with pytest.raises(RemoteFileChangedError, match=f"{url}/{shard}.*replaced") as e:
+        lowmem_hf.execute(prepared)
+    assert e.value.file == f"{url}/{shard}"
+
+
+def test_a_prefix_with_no_object_is_not_found(s3):
+    with pytest.raises(CheckpointNotFoundError, match=f"s3://{s3.bucket}/nothing-here: no object under this prefix"):
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(f"s3://{s3.bucket}/nothing-here", storage_options=s3.storage_options())
+
+
+def test_a_refused_credential_names_the_bucket_and_what_to_set_never_the_secret(s3, stored):
+    _, url = stored("safetensors")
+    options = s3.storage_options(secret="not-the-secret-" + "x" * 8)
+    with pytest.raises(ObjectStoreCredentialsError) as e:
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
+    message = str(e.value)
+    assert f"bucket {s3.bucket!r}" in message and "AWS_ACCESS_KEY_ID" in message and "storage_options" in message
+    assert "not-the-secret" not in message and s3.secret not in message and e.value.key == s3.bucket
+
+
+def test_a_missing_credential_names_the_bucket_and_what_to_set(s3, stored, monkeypatch, tmp_path):
+    _, url = stored("safetensors")
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ObjectStoreCredentialsError, match=f"found no credentials for bucket {s3.bucket!r}.*AWS_ACCESS_KEY_ID"):
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+            url, storage_options={"endpoint_url": s3.endpoint, "skip_instance_cache": True},
+        )
+
+
+def test_the_endpoint_comes_from_aws_endpoint_url_and_credentials_from_the_environment(s3, stored, monkeypatch):
+    folder, url = stored("safetensors")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret)
+    ours = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options={"skip_instance_cache": True})
+    assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
+
+
+def test_an_index_entry_that_leaves_the_prefix_is_refused_before_any_read(s3, stored, tmp_path):
+    import json
+    import shutil
+
+    folder, _ = stored("sharded")
+    shutil.copytree(folder, tmp_path / "escape")
+    index = tmp_path / "escape" / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    key = next(iter(content["weight_map"]))
+    content["weight_map"][key] = "../llama-sharded-float32/model-00001-of-00003.safetensors"
+    index.write_text(json.dumps(content))
+    url = s3.upload(str(tmp_path / "escape"), "llama-escape")
+    with pytest.raises(OutsideCheckpointError, match="leaves the prefix"):
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=s3.storage_options())
+
+
+def test_fetch_small_files_brings_everything_but_the_weights(s3, stored, tmp_path):
+    folder, url = stored("sharded")
+    local = lowmem_hf.fetch_small_files(url, str(tmp_path / "small"), storage_options=s3.storage_options())
+    expected = sorted(f for f in os.listdir(folder) if not f.endswith(".safetensors"))
+    assert sorted(os.listdir(local)) == expected and "config.json" in expected
+    with open(os.path.join(local, "config.json"), "rb") as ours, open(os.path.join(folder, "config.json"), "rb") as theirs:
+        assert ours.read() == theirs.read()
+
+
+def _failing_ranges(status: int, times: int):
+    """Answer ``status`` to the first ``times`` range GETs of tensor bytes (past the headers), then forward."""
+    seen = []
+
+    def fault(method: str, path: str, headers: dict):
+        if method == "GET" and "Range" in headers and not headers["Range"].startswith("bytes=0-") and len(seen) < times:
+            seen.append(path)
+            return status
+        return None
+
+    return fault
+
+
+# botocore's own retries off, so that the test runs in seconds (s3fs still retries SlowDown a few times)
+_NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+
+
+@pytest.mark.parametrize("status", [503, 500, -1], ids=["slowdown", "internal-error", "reset"])
+def test_a_fault_that_passes_is_retried(s3, stored, status):
+    folder, url = stored("sharded")
+    proxy = FaultProxy(s3.endpoint, _failing_ranges(status, times=1))
+    try:
+        ours = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+            url, storage_options=s3.storage_options(endpoint=proxy.endpoint, **_NO_CLIENT_RETRIES),
+        )
+    finally:
+        proxy.close()
+    assert any(answer == status for _, _, answer in proxy.requests)
+    assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
+
+
+def test_a_fault_that_stays_ends_in_a_named_error_with_the_last_answer(s3, stored):
+    _, url = stored("sharded")
+    proxy = FaultProxy(s3.endpoint, _failing_ranges(503, times=10**6))
+    try:
+        with pytest.raises(ObjectStoreError, match=rf"{url}/model-0000\d-of-00003.safetensors: bytes .* failed 2 times.*503 SlowDown") as e:
+            lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+                url, storage_options=s3.storage_options(endpoint=proxy.endpoint, **_NO_CLIENT_RETRIES),
+            )
+    finally:
+        proxy.close()
+    assert isinstance(e.value, lowmem_hf.errors.RemoteConnectionError) and "SlowDown" in e.value.found

@@ -30,7 +30,8 @@ from . import ByteSource, ReadPolicy
 
 __all__ = ["ObjectStore", "ObjectStoreRanges", "DOWNLOAD_CHUNK_BYTES"]
 
-_MAX_ATTEMPTS = 4
+_MAX_ATTEMPTS = 2
+"""Attempts of ours, each after the client's own retries (botocore's and s3fs's: 503 SlowDown, 5xx, resets)."""
 DOWNLOAD_CHUNK_BYTES = 16 * 1024 * 1024
 """One request of a whole-object download (``.bin`` shards, DCP files, small files)."""
 _DEFAULT_OPTIONS = {"s3": {"config_kwargs": {"max_pool_connections": 32}}}
@@ -40,6 +41,25 @@ _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "Credenti
 
 def _backoff(attempt: int) -> None:
     time.sleep(min(0.1 * 2**attempt, 2.0))
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """What a store or the way to it may raise and later not: an ``OSError`` (s3fs's translation of an S3 error,
+    a reset), a timeout, or an error of the HTTP client stack."""
+    module = type(e).__module__.split(".")[0]
+    return isinstance(e, (OSError, TimeoutError)) or module in ("botocore", "aiobotocore", "aiohttp", "urllib3", "fsspec", "s3fs")
+
+
+def _answer(e: BaseException) -> str:
+    """The store's last answer as the message shows it: ``503 SlowDown: <message>`` where s3fs kept botocore's
+    error as the cause (its own ``OSError`` drops the status and the code), else the exception."""
+    response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
+    if isinstance(response, dict) and "Error" in response:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+        text = f"{status} {response['Error'].get('Code', '?')}: {response['Error'].get('Message', '')}"
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
 
 
 def _with_defaults(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,10 +164,12 @@ class ObjectStore:
                 permanent = self._permanent(e, what=what, url=url, planned=planned)
                 if permanent is not None:
                     raise permanent from e
+                if not _is_transport_error(e):
+                    raise  # a bug or a bad storage_options value: as it is, not as the store's fault
                 last = e
             if attempt + 1 < _MAX_ATTEMPTS:
                 _backoff(attempt)
-        answer = " ".join(f"{type(last).__name__}: {last}".split())
+        answer = _answer(last)
         fix = "Check the endpoint and the network to it (storage_options, AWS_ENDPOINT_URL), and load again."
         raise ObjectStoreError(
             f"{url}: {what} failed {_MAX_ATTEMPTS} times (each after the client's own retries); the last answer was "
