@@ -61,7 +61,10 @@ def format_report(report) -> str:
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a local folder or a Hub repo id")
+    p.add_argument(
+        "model", help="a local folder, a Hub repo id, or an object-store URL (s3://bucket/prefix: credentials and "
+        "endpoint from the environment, AWS_ENDPOINT_URL included)",
+    )
     p.add_argument("--auto-class", default="AutoModelForCausalLM")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto")
@@ -226,11 +229,21 @@ def _plot(args, runs: list[dict], rank: int) -> str:
     return path
 
 
+def _names_a_store(model: str) -> bool:
+    """Whether ``model`` is an object-store URL (``lowmem_hf.resolve_store.is_store_url``), without importing torch."""
+    return "://" in model and not model.startswith("file://")
+
+
 def _load(args) -> int:
     _check_plot(args)
     if args.tp_size > 1 and launcher_rank() is None:
         raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
     rank = launcher_rank() or 0
+    if args.compare_transformers and _names_a_store(args.model):
+        raise UsageError(
+            f"--compare-transformers: transformers cannot load {args.model} (an object-store URL); copy the checkpoint "
+            "to a local folder and compare there, or run benchmarks/bench_s3.py"
+        )
     prepared = _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
     from .sources.local import cached_fraction
 

@@ -122,6 +122,12 @@ def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
     try:
         prepared = prepare(make_request(cls, path, *model_args, **ours))
     except UnsupportedArgumentError as unsupported:
+        if "://" in str(path) and not str(path).startswith("file://"):
+            raise UnsupportedArgumentError(
+                unsupported.argument, f"{unsupported} transformers' own from_pretrained cannot load {path} (an "
+                "object-store URL), so the switch has no loader to hand this call to: copy the checkpoint to a local "
+                "folder to load it with transformers.",
+            ) from unsupported
         reason = f"uses {unsupported.argument!r}, which lowmem_hf does not implement ({unsupported})"
         return _fall_back(cls, path, model_args, kwargs, reason)
     except NothingToLoadError as nothing:

@@ -194,3 +194,39 @@ def test_a_fault_that_stays_ends_in_a_named_error_with_the_last_answer(s3, store
     finally:
         proxy.close()
     assert isinstance(e.value, lowmem_hf.errors.RemoteConnectionError) and "SlowDown" in e.value.found
+
+
+@pytest.fixture
+def store_env(s3, monkeypatch):
+    """Endpoint and credentials from the environment, as a CLI or an unchanged script gets them."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret)
+
+
+def test_the_cli_plans_and_loads_a_stored_checkpoint(stored, store_env, capsys):
+    import json
+
+    from lowmem_hf import cli
+
+    folder, url = stored("sharded")
+    assert cli.main(["plan", url, "--json", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[out.index("{"):])
+    stored_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    assert 0 < plan["ranks"][0]["bytes_to_read"] <= 1.02 * stored_bytes  # the tensors and the headers
+    assert cli.main(["load", url, "--json"]) == 0
+    load = json.loads(capsys.readouterr().out)
+    assert load["loads"][0]["loader"] == "lowmem" and load["loads"][0]["missing_keys"] == []
+
+
+def test_the_switch_serves_a_store_url_and_has_no_fallback_for_it(stored, store_env):
+    folder, url = stored("sharded")
+    lowmem_hf.patch_transformers()
+    try:
+        ours = transformers.AutoModelForCausalLM.from_pretrained(url)
+        with pytest.raises(lowmem_hf.UnsupportedArgumentError, match="cannot load s3://.*no loader to hand this call to"):
+            transformers.AutoModelForCausalLM.from_pretrained(url, offload_folder="offload")
+    finally:
+        lowmem_hf.unpatch_transformers()
+    assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
