@@ -230,3 +230,59 @@ def test_the_switch_serves_a_store_url_and_has_no_fallback_for_it(stored, store_
     finally:
         lowmem_hf.unpatch_transformers()
     assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
+
+
+def _tp_worker(rank: int, world: int, port: int, folder: str, url: str, options: dict, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
+        ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+            url, tp_plan="auto", storage_options=options, output_loading_info=True,
+        )
+        same = []
+        for (name, p_ours), (_, p_theirs) in zip(ours.named_parameters(), theirs.named_parameters()):
+            local = lambda p: p.data.to_local() if hasattr(p.data, "to_local") else p.data  # noqa: E731
+            same.append(bool(torch.equal(local(p_ours), local(p_theirs))) and local(p_ours).dtype == local(p_theirs).dtype)
+        local_bytes = sum(
+            (p.data.to_local() if hasattr(p.data, "to_local") else p.data).numel() * 4
+            for n, p in ours.named_parameters() if n in report.dtype_decisions
+        )
+        result = {
+            "same": all(same), "n": len(same), "fetched": report.bytes_fetched, "received": report.bytes_received,
+            "local_bytes": local_bytes,
+        }
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+
+
+def test_tp_ranks_fetch_every_byte_once_and_match_transformers_slices(s3, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+    from s3_server import free_port
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    )).save_pretrained(tmp_path / "llama", max_shard_size="1MB")
+    folder = str(tmp_path / "llama")
+    url = s3.upload(folder, "llama-tp")
+    world = 2
+    mp.spawn(_tp_worker, args=(world, free_port(), folder, url, s3.storage_options(), str(tmp_path)), nprocs=world, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    stored = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    for r in results:
+        assert r["same"] and r["n"] > 0, r
+        assert r["received"] <= r["local_bytes"], r  # a rank receives at most what its plan reads
+    assert sum(r["fetched"] for r in results) <= stored  # every byte fetched once per job, by one rank
+    assert all(r["received"] > 0 for r in results)  # the ranks exchanged what the other fetched
