@@ -232,7 +232,7 @@ def test_the_switch_serves_a_store_url_and_has_no_fallback_for_it(stored, store_
     assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
 
 
-def _tp_worker(rank: int, world: int, port: int, folder: str, url: str, options: dict, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, port: int, folder: str, urls: dict, options: dict, out_dir: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -240,49 +240,82 @@ def _tp_worker(rank: int, world: int, port: int, folder: str, url: str, options:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {}
+    results = {}
     try:
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
-        ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
-            url, tp_plan="auto", storage_options=options, output_loading_info=True,
-        )
-        same = []
-        for (name, p_ours), (_, p_theirs) in zip(ours.named_parameters(), theirs.named_parameters()):
-            local = lambda p: p.data.to_local() if hasattr(p.data, "to_local") else p.data  # noqa: E731
-            same.append(bool(torch.equal(local(p_ours), local(p_theirs))) and local(p_ours).dtype == local(p_theirs).dtype)
-        local_bytes = sum(
-            (p.data.to_local() if hasattr(p.data, "to_local") else p.data).numel() * 4
-            for n, p in ours.named_parameters() if n in report.dtype_decisions
-        )
-        result = {
-            "same": all(same), "n": len(same), "fetched": report.bytes_fetched, "received": report.bytes_received,
-            "local_bytes": local_bytes,
-        }
+        for kind, url in urls.items():
+            results[kind] = _tp_load(theirs, url, options)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+            json.dump(results, f)
         dist.destroy_process_group()
 
 
-def test_tp_ranks_fetch_every_byte_once_and_match_transformers_slices(s3, tmp_path):
+def _tp_load(theirs, url: str, options: dict) -> dict:
+    """Load ``url`` at the group's tp_size; compare every local shard with transformers' (``theirs``)."""
+    ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
+        url, tp_plan="auto", storage_options=options, output_loading_info=True,
+    )
+    same = []
+    for (name, p_ours), (_, p_theirs) in zip(ours.named_parameters(), theirs.named_parameters()):
+        local = lambda p: p.data.to_local() if hasattr(p.data, "to_local") else p.data  # noqa: E731
+        same.append(bool(torch.equal(local(p_ours), local(p_theirs))) and local(p_ours).dtype == local(p_theirs).dtype)
+    local_bytes = sum(
+        (p.data.to_local() if hasattr(p.data, "to_local") else p.data).numel() * 4
+        for n, p in ours.named_parameters() if n in report.dtype_decisions
+    )
+    return {
+        "same": all(same), "n": len(same), "fetched": report.bytes_fetched, "received": report.bytes_received,
+        "local_bytes": local_bytes,
+    }
+
+
+def test_tp_ranks_fetch_every_byte_once_and_match_transformers_slices_and_resume_dcp_at_another_tp_size(s3, tmp_path):
     import json
 
+    import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as mp
     from s3_server import free_port
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, tie_word_embeddings=False,
-    )).save_pretrained(tmp_path / "llama", max_shard_size="1MB")
+    ))
+    model.save_pretrained(tmp_path / "llama", max_shard_size="1MB")
     folder = str(tmp_path / "llama")
-    url = s3.upload(folder, "llama-tp")
+    urls = {"safetensors": s3.upload(folder, "llama-tp"), "dcp": f"s3://{s3.bucket}/llama-tp-dcp"}
+    # a training checkpoint written by one process (tp 1) into the store, resumed below at tp 2
+    dcp.save(model.state_dict(), storage_writer=FsspecWriter(urls["dcp"], **s3.storage_options()), no_dist=True)
+    model.config.save_pretrained(tmp_path / "config")
+    s3.upload(str(tmp_path / "config"), "llama-tp-dcp")
     world = 2
-    mp.spawn(_tp_worker, args=(world, free_port(), folder, url, s3.storage_options(), str(tmp_path)), nprocs=world, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    mp.spawn(_tp_worker, args=(world, free_port(), folder, urls, s3.storage_options(), str(tmp_path)), nprocs=world, join=True)
+    every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert all(e["dcp"]["same"] and e["dcp"]["n"] > 0 for e in every), every
+    results = [e["safetensors"] for e in every]
     stored = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
     for r in results:
         assert r["same"] and r["n"] > 0, r
         assert r["received"] <= r["local_bytes"], r  # a rank receives at most what its plan reads
     assert sum(r["fetched"] for r in results) <= stored  # every byte fetched once per job, by one rank
     assert all(r["received"] > 0 for r in results)  # the ranks exchanged what the other fetched
+
+
+def test_a_dcp_checkpoint_written_to_the_store_by_fsspec_writer_resumes(s3, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    ))
+    url = f"s3://{s3.bucket}/dcp-run/step-10"
+    options = s3.storage_options()
+    dcp.save(model.state_dict(), storage_writer=FsspecWriter(url, **options), no_dist=True)
+    model.config.save_pretrained(tmp_path / "config")
+    s3.upload(str(tmp_path / "config"), "dcp-run/step-10")
+    ours = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
+    assert_same_state(ours, model)
