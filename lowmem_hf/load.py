@@ -132,7 +132,9 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     if is_hub:
         # one commit for config, index, headers and weights (every rank uses rank 0's sha)
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
-    model_class, config, model_kwargs = resolve_class_and_config(request if store is None else replace(request, name_or_path=store.mirror))
+    # transformers reads an object store's config from the local copy of its small files
+    config_request = request if store is None else replace(request, name_or_path=store.mirror)
+    model_class, config, model_kwargs = resolve_class_and_config(config_request)
     reject_quantized(config)
     engine = engine_for(tp_request)
     reject_unknown({k: v for k, v in model_kwargs.items() if k not in init_params(model_class)}, model_class=model_class, config=config)

@@ -319,3 +319,19 @@ def test_a_dcp_checkpoint_written_to_the_store_by_fsspec_writer_resumes(s3, tmp_
     s3.upload(str(tmp_path / "config"), "dcp-run/step-10")
     ours = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
     assert_same_state(ours, model)
+
+
+def test_any_fsspec_store_that_reads_ranges_loads_like_a_folder(make_checkpoint, tmp_path, monkeypatch):
+    fsspec = require_client("fsspec")
+    monkeypatch.setenv("LOWMEM_HF_STORE_CACHE", str(tmp_path / "cache"))
+    folder = make_checkpoint("llama", "sharded")
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "rb") as f:
+            fs.pipe_file(f"/llama-in-memory/{name}", f.read())
+    try:
+        ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained("memory://llama-in-memory", output_loading_info=True)
+    finally:
+        fs.rm("/llama-in-memory", recursive=True)
+    assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
+    assert report.bytes_fetched > 0  # read by ranges from the store, not from a local copy
