@@ -242,19 +242,25 @@ def _tp_worker(rank: int, world: int, port: int, folder: str, urls: dict, option
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
+        from transformers.distributed import DistributedConfig
+
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
         for kind, url in urls.items():
-            results[kind] = _tp_load(theirs, url, options)
+            results[kind] = _tp_load(theirs, url, options, tp_plan="auto")
+        # a DistributedConfig mesh (FSDP2 over the two ranks): each rank its dim-0 shards
+        fsdp = {"distributed_config": DistributedConfig(fsdp_size=world)}
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **fsdp)
+        results["fsdp"] = _tp_load(theirs, urls["safetensors"], options, **fsdp)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
 
 
-def _tp_load(theirs, url: str, options: dict) -> dict:
-    """Load ``url`` at the group's tp_size; compare every local shard with transformers' (``theirs``)."""
+def _tp_load(theirs, url: str, options: dict, **placement) -> dict:
+    """Load ``url`` placed as ``placement`` says; compare every local shard with transformers' (``theirs``)."""
     ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(
-        url, tp_plan="auto", storage_options=options, output_loading_info=True,
+        url, storage_options=options, output_loading_info=True, **placement,
     )
     same = []
     for (name, p_ours), (_, p_theirs) in zip(ours.named_parameters(), theirs.named_parameters()):
@@ -270,7 +276,7 @@ def _tp_load(theirs, url: str, options: dict) -> dict:
     }
 
 
-def test_tp_ranks_fetch_every_byte_once_and_match_transformers_slices_and_resume_dcp_at_another_tp_size(s3, tmp_path):
+def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_resume_dcp_at_another_tp_size(s3, tmp_path):
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -293,7 +299,7 @@ def test_tp_ranks_fetch_every_byte_once_and_match_transformers_slices_and_resume
     world = 2
     mp.spawn(_tp_worker, args=(world, free_port(), folder, urls, s3.storage_options(), str(tmp_path)), nprocs=world, join=True)
     every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    assert all(e["dcp"]["same"] and e["dcp"]["n"] > 0 for e in every), every
+    assert all(e[kind]["same"] and e[kind]["n"] > 0 for e in every for kind in ("dcp", "fsdp")), every
     results = [e["safetensors"] for e in every]
     stored = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
     for r in results:
