@@ -341,3 +341,24 @@ def test_any_fsspec_store_that_reads_ranges_loads_like_a_folder(make_checkpoint,
         fs.rm("/llama-in-memory", recursive=True)
     assert_same_state(ours, transformers.AutoModelForCausalLM.from_pretrained(folder))
     assert report.bytes_fetched > 0  # read by ranges from the store, not from a local copy
+
+
+def test_zero3_partitions_come_from_the_store_and_hold_transformers_values(s3, stored, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    require_client("deepspeed")
+    folder, url = stored("sharded")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", ZERO3_S3=url.rpartition("/")[0], AWS_ENDPOINT_URL=s3.endpoint,
+               AWS_ACCESS_KEY_ID=s3.key, AWS_SECRET_ACCESS_KEY=s3.secret)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "zero3_partitions.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+         str(tmp_path / "found"), folder + ":s3"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in range(2):
+        (found,) = json.loads((tmp_path / f"found.{rank}.json").read_text())
+        assert found["differ"] == [] and found["tied_same"] and found["lowmem_partitioned"], (rank, found)
