@@ -362,3 +362,53 @@ def test_zero3_partitions_come_from_the_store_and_hold_transformers_values(s3, s
     for rank in range(2):
         (found,) = json.loads((tmp_path / f"found.{rank}.json").read_text())
         assert found["differ"] == [] and found["tied_same"] and found["lowmem_partitioned"], (rank, found)
+
+
+def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, options: dict, out_dir: str) -> None:
+    import json
+
+    import s3fs
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    raised = None
+    try:
+        prepared = lowmem_hf.prepare(_request(url, tp_plan="auto", storage_options=options))
+        dist.barrier()
+        if rank == 0:  # the object is replaced by another of the same size between planning and reading
+            fs = s3fs.S3FileSystem(**options)
+            path = url.removeprefix("s3://") + "/" + shard
+            data = bytearray(fs.cat_file(path))
+            data[-1] ^= 0xFF
+            fs.pipe_file(path, bytes(data))
+        dist.barrier()
+        try:
+            lowmem_hf.execute(prepared)
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            raised = {"type": type(e).__name__, "message": str(e)}
+    finally:
+        with open(os.path.join(out_dir, f"changed{rank}.json"), "w") as f:
+            json.dump(raised, f)
+        dist.destroy_process_group()
+
+
+def test_an_object_replaced_during_a_cooperative_load_fails_every_rank_naming_it(s3, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+    from s3_server import free_port
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    )).save_pretrained(tmp_path / "llama", max_shard_size="1MB")
+    url = s3.upload(str(tmp_path / "llama"), "llama-changed-tp")
+    shard = sorted(f for f in os.listdir(tmp_path / "llama") if f.endswith(".safetensors"))[-1]
+    mp.spawn(_changed_worker, args=(2, free_port(), url, shard, s3.storage_options(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        raised = json.loads((tmp_path / f"changed{rank}.json").read_text())
+        assert raised is not None and raised["type"] == "RemoteFileChangedError", (rank, raised)
+        assert f"{url}/{shard}" in raised["message"], (rank, raised)
