@@ -229,9 +229,13 @@ def _plot(args, runs: list[dict], rank: int) -> str:
     return path
 
 
-def _names_a_store(model: str) -> bool:
-    """Whether ``model`` is an object-store URL (``lowmem_hf.resolve_store.is_store_url``), without importing torch."""
-    return "://" in model and not model.startswith("file://")
+def _refuse_store_comparison(args) -> None:
+    """``--compare-transformers`` of an object-store URL (``resolve_store.is_store_url``): transformers cannot load it."""
+    if args.compare_transformers and "://" in args.model and not args.model.startswith("file://"):
+        raise UsageError(
+            f"--compare-transformers: transformers cannot load {args.model} (an object-store URL); copy the checkpoint "
+            "to a local folder and compare there, or run benchmarks/bench_s3.py"
+        )
 
 
 def _load(args) -> int:
@@ -239,11 +243,7 @@ def _load(args) -> int:
     if args.tp_size > 1 and launcher_rank() is None:
         raise UsageError(f"--tp-size {args.tp_size} loads one rank per process: run under torchrun --nproc-per-node {args.tp_size}")
     rank = launcher_rank() or 0
-    if args.compare_transformers and _names_a_store(args.model):
-        raise UsageError(
-            f"--compare-transformers: transformers cannot load {args.model} (an object-store URL); copy the checkpoint "
-            "to a local folder and compare there, or run benchmarks/bench_s3.py"
-        )
+    _refuse_store_comparison(args)
     prepared = _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
     from .sources.local import cached_fraction
 
