@@ -6,8 +6,10 @@ transformers chooses them (``resolve.weight_candidates``). What each kind of wei
 
 - safetensors: each header is read with a range request from byte 0; the tensor bytes are read later, by ranges,
   only those the plan needs (``sources.objectstore``): the ``Checkpoint``'s ``remote`` objects;
-- ``.bin`` shards have no readable header, and DCP directories (``.metadata`` + ``*.distcp``) are read whole: they
-  are downloaded into the local mirror (conditional on their ETags) and resolve as a local folder there.
+- DCP directories (``.metadata`` + ``*.distcp``, as ``FsspecWriter`` writes them): the metadata is mirrored, and
+  each rank reads by ranges the chunks of the ``.distcp`` objects its plan needs;
+- ``.bin`` shards have no readable header, and transformers' sharded saves (``shard-*.safetensors``) are read
+  whole: they are downloaded into the local mirror (conditional on their ETags) and resolve as a local folder there.
 
 One consistent checkpoint: the listing (each object's size, ETag and VersionId) is taken once, by rank 0 under a
 process group, and every read after it is conditional on it. The small files (config, generation config, index,
@@ -22,6 +24,8 @@ import hashlib
 import os
 import posixpath
 import re
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -170,7 +174,9 @@ def resolve_store(
         RemoteFileChangedError: an object replaced since it was listed.
     """
     level = pinned.level()
-    if checkpoint_format == "dcp" or _is_dcp(level, pinned.subfolder):
+    if (checkpoint_format == "dcp" or _is_dcp(level, pinned.subfolder)) and any(n.endswith(dcp.DISTCP_SUFFIX) for n in level):
+        return _distcp_by_ranges(pinned, level)
+    if checkpoint_format == "dcp" or _is_dcp(level, pinned.subfolder):  # transformers' sharded save: read whole
         files = [n for n in level if n.endswith((dcp.DCP_METADATA, dcp.DISTCP_SUFFIX)) or dcp.HF_SHARD_PATTERN.match(posixpath.basename(n))]
         _mirror(pinned.store, pinned.objects, files, pinned.mirror)
         return _from_mirror(pinned, resolve_dcp(pinned.mirror, subfolder=pinned.subfolder))
@@ -206,6 +212,32 @@ def resolve_store(
         name_or_path=pinned.store.url, format=CheckpointFormat.SAFETENSORS, files=tuple(names), tensors=tensors,
         index_metadata=index_metadata, header_bytes=header_bytes, remote={n: pinned.objects[n] for n in names},
         store=pinned.store, config_dir=pinned.mirror,
+    )
+
+
+def _distcp_by_ranges(pinned: PinnedStore, level: list[str]) -> Checkpoint:
+    """A DCP directory (``.metadata`` + ``*.distcp``) whose chunks are read by ranges from the store.
+
+    DCP's metadata says which byte range of which ``.distcp`` file holds each chunk; ``resolve_dcp`` reads it and
+    checks every range against its file's size. It runs on a folder of its own holding the metadata (mirrored) and,
+    for each ``.distcp`` object, a sparse file of the object's size (no disk, never read: the load reads the
+    ``remote`` objects through the store, keyed by those paths), removed once the layout is read.
+    """
+    layout_dir = tempfile.mkdtemp(prefix="lowmem-dcp-layout-")
+    remote = {}
+    try:
+        metadata = inside_folder(pinned.path(dcp.DCP_METADATA), pinned.mirror, what="The DCP metadata is")
+        shutil.copyfile(metadata, os.path.join(layout_dir, dcp.DCP_METADATA))
+        for name in (n for n in level if n.endswith(dcp.DISTCP_SUFFIX)):
+            path = os.path.join(layout_dir, posixpath.basename(name))
+            with open(path, "wb") as f:
+                f.truncate(pinned.objects[name].size)
+            remote[path] = pinned.objects[name]
+        checkpoint = resolve_dcp(layout_dir)
+    finally:
+        shutil.rmtree(layout_dir, ignore_errors=True)
+    return replace(
+        checkpoint, name_or_path=pinned.store.url, remote=remote, store=pinned.store, config_dir=pinned.mirror,
     )
 
 

@@ -306,6 +306,7 @@ def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_r
         assert r["same"] and r["n"] > 0, r
         assert r["received"] <= r["local_bytes"], r  # a rank receives at most what its plan reads
     assert sum(r["fetched"] for r in results) <= stored  # every byte fetched once per job, by one rank
+    assert all(e["dcp"]["fetched"] < 0.75 * stored for e in every)  # DCP: each rank reads the ranges of its slices
     assert all(r["received"] > 0 for r in results)  # the ranks exchanged what the other fetched
 
 
@@ -323,8 +324,11 @@ def test_a_dcp_checkpoint_written_to_the_store_by_fsspec_writer_resumes(s3, tmp_
     dcp.save(model.state_dict(), storage_writer=FsspecWriter(url, **options), no_dist=True)
     model.config.save_pretrained(tmp_path / "config")
     s3.upload(str(tmp_path / "config"), "dcp-run/step-10")
-    ours = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
+    ours, report = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options, output_loading_info=True)
     assert_same_state(ours, model)
+    # the chunks came by ranges: no .distcp file was written anywhere in the store cache
+    assert report.bytes_fetched > 0
+    assert not [f for _, _, files in os.walk(os.environ["LOWMEM_HF_STORE_CACHE"]) for f in files if f.endswith(".distcp")]
 
 
 def test_any_fsspec_store_that_reads_ranges_loads_like_a_folder(make_checkpoint, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def _checkpoint(
 
 
 def test_the_table_names_a_source_for_every_checkpoint_fetch_mode_and_group():
-    assert set(SOURCES) == set(itertools.product(("local", "hub", "hub-ranges", "store-ranges"), ("files", "ranges"), (False, True)))
+    assert set(SOURCES) == set(itertools.product(("local", "hub", "hub-ranges", "store-ranges", "store-chunks"), ("files", "ranges"), (False, True)))
 
 
 @pytest.mark.parametrize(
@@ -37,12 +37,14 @@ def test_the_table_names_a_source_for_every_checkpoint_fetch_mode_and_group():
         (_checkpoint(repo_id="org/model", fmt=CheckpointFormat.TORCH_ZIP), "hub"),
         (_checkpoint(repo_id="org/model", remote=True), "hub-ranges"),
         (_checkpoint(remote=True, store=object()), "store-ranges"),  # an object store's safetensors
+        (_checkpoint(fmt=CheckpointFormat.DCP, remote=True, store=object()), "store-chunks"),  # its .distcp chunks
     ],
 )
 def test_where_the_checkpoint_is(checkpoint, kind):
     assert checkpoint_kind(checkpoint) == kind
-    assert reads_local_files(checkpoint, "files") == (kind != "store-ranges")  # an object store has no cache to fill
-    assert reads_local_files(checkpoint, "ranges") == (kind not in ("hub-ranges", "store-ranges"))  # remote safetensors come as ranges
+    from_store = kind in ("store-ranges", "store-chunks")  # an object store has no cache to fill
+    assert reads_local_files(checkpoint, "files") == (not from_store)
+    assert reads_local_files(checkpoint, "ranges") == (kind != "hub-ranges" and not from_store)  # remote bytes come as ranges
 
 
 def test_each_source_decides_how_it_is_read():

@@ -6,7 +6,9 @@ Where the checkpoint is (``checkpoint_kind``):
 - ``"hub"``: a Hub repo whose planned files are read from the HF cache (``.bin`` shards, a checkpoint already
   cached, or any Hub checkpoint offline): the files missing from the cache are downloaded first;
 - ``"hub-ranges"``: a Hub safetensors checkpoint with files not in the cache, whose bytes can be read over HTTP;
-- ``"store-ranges"``: a safetensors checkpoint in object storage (``s3://...``, any fsspec store).
+- ``"store-ranges"``: a safetensors checkpoint in object storage (``s3://...``, any fsspec store);
+- ``"store-chunks"``: a DCP checkpoint (``.distcp``) in object storage, whose chunks each rank reads by ranges
+  (not cooperatively: the exchange's schedule is safetensors byte offsets).
 
 ``"hub-ranges"`` under ``fetch="ranges"`` and ``"store-ranges"`` under either mode read tensor bytes into memory
 without a local file (an object store has no cache to download into: its ``.bin`` and DCP files are downloaded at
@@ -100,15 +102,19 @@ SOURCES: dict[tuple[str, str, bool], Callable[[Checkpoint, LoadPlan, FetchOption
     ("store-ranges", "files", True): _cooperative_store_ranges,
     ("store-ranges", "ranges", False): _store_ranges,
     ("store-ranges", "ranges", True): _cooperative_store_ranges,
+    ("store-chunks", "files", False): _store_ranges,
+    ("store-chunks", "files", True): _store_ranges,
+    ("store-chunks", "ranges", False): _store_ranges,
+    ("store-chunks", "ranges", True): _store_ranges,
 }
 _LOCAL = (_local_files, _downloaded_files)
 
 
 def checkpoint_kind(checkpoint: Checkpoint) -> str:
-    """Where the checkpoint's bytes are: ``"local"``, ``"hub"``, ``"hub-ranges"`` or ``"store-ranges"`` (see the
-    module doc)."""
+    """Where the checkpoint's bytes are: ``"local"``, ``"hub"``, ``"hub-ranges"``, ``"store-ranges"`` or
+    ``"store-chunks"`` (see the module doc)."""
     if checkpoint.store is not None and checkpoint.remote:
-        return "store-ranges"
+        return "store-chunks" if checkpoint.format == CheckpointFormat.DCP else "store-ranges"
     if checkpoint.remote and checkpoint.format == CheckpointFormat.SAFETENSORS:
         return "hub-ranges"
     return "hub" if checkpoint.repo_id is not None else "local"
