@@ -133,7 +133,8 @@ def pin_store(url: str, *, storage_options: Mapping[str, Any] | None, subfolder:
             "saved with save_pretrained (config.json plus weights); check the URL and `subfolder`, or pass config=.",
             file=store.url_of(pinned.path("config.json")),
         )
-    key = "\n".join([store.url, *(f"{n} {objects[n].etag} {objects[n].version}" for n in small)])
+    # named after every object of the subfolder, weights too: a .bin shard downloaded here is never one replaced since
+    key = "\n".join([store.url, *(f"{n} {objects[n].etag} {objects[n].version}" for n in pinned.level())])
     mirror = os.path.join(store_cache_dir(), hashlib.sha256(key.encode()).hexdigest()[:24])
     _mirror(store, objects, small, mirror)
     return replace(pinned, mirror=mirror)

@@ -416,3 +416,23 @@ def test_an_object_replaced_during_a_cooperative_load_fails_every_rank_naming_it
         raised = json.loads((tmp_path / f"changed{rank}.json").read_text())
         assert raised is not None and raised["type"] == "RemoteFileChangedError", (rank, raised)
         assert f"{url}/{shard}" in raised["message"], (rank, raised)
+
+
+def test_a_checkpoint_replaced_between_two_loads_in_one_process_is_read_anew(s3, stored, tmp_path):
+    import shutil
+
+    folder, _ = stored("bin")
+    shutil.copytree(folder, tmp_path / "bin")
+    url = s3.upload(str(tmp_path / "bin"), "llama-bin-replaced")
+    options = {"key": s3.key, "secret": s3.secret, "endpoint_url": s3.endpoint}  # fsspec's cached instance, as usual
+    first = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
+    shard = "pytorch_model-00001-of-00003.bin"
+    tensors = torch.load(tmp_path / "bin" / shard, weights_only=True)
+    key = next(iter(tensors))
+    tensors[key] = tensors[key] + 1  # the same size, other values: only the ETag tells the objects apart
+    os.makedirs(tmp_path / "other")
+    torch.save(tensors, tmp_path / "other" / shard)  # the same file name: the same archive layout
+    assert os.path.getsize(tmp_path / "other" / shard) == os.path.getsize(tmp_path / "bin" / shard)
+    s3.fs().put_file(str(tmp_path / "other" / shard), f"{s3.bucket}/llama-bin-replaced/{shard}")
+    second = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
+    assert torch.equal(second.state_dict()[key], first.state_dict()[key] + 1)

@@ -101,6 +101,8 @@ class ObjectStore:
             CheckpointNotFoundError: no object under the prefix (or no such bucket).
             ObjectStoreCredentialsError, ObjectStoreError: as for reads.
         """
+        # fsspec caches listings per filesystem instance: a second load in this process must see objects replaced since
+        self.fs.invalidate_cache(self.root)
         found = self._call(lambda: self.fs.find(self.root, detail=True), what=f"listing {self.url}/", url=self.url)
         objects = {}
         for path, info in sorted(found.items()):
