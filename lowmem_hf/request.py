@@ -117,8 +117,9 @@ class LoadRequest:
     """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
     verify_downloads: bool = True
     """Hub loads: hash each LFS file downloaded during the load against the sha256 the Hub publishes (its ETag)."""
-    storage_options: Mapping[str, Any] | None = None
-    """Object-store loads: the fsspec filesystem's options (endpoint, credentials); None: the provider chain."""
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Object-store loads: the fsspec filesystem's options (endpoint, credentials: never in a repr); None: the
+    provider chain."""
     tp: TPOptions = field(default_factory=TPOptions)
     config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""

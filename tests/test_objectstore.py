@@ -436,3 +436,11 @@ def test_a_checkpoint_replaced_between_two_loads_in_one_process_is_read_anew(s3,
     s3.fs().put_file(str(tmp_path / "other" / shard), f"{s3.bucket}/llama-bin-replaced/{shard}")
     second = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options)
     assert torch.equal(second.state_dict()[key], first.state_dict()[key] + 1)
+
+
+def test_storage_options_are_checked_and_never_shown():
+    request = _request("s3://bucket/model", storage_options={"secret": "do-not-show"})
+    assert "do-not-show" not in repr(request)
+    with pytest.raises(lowmem_hf.ArgumentTypeError, match="storage_options must be a dict") as e:
+        _request("s3://bucket/model", storage_options="key=secret")
+    assert "key=secret" not in str(e.value)
