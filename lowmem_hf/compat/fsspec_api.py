@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_s3", "s3_get_range"]
+__all__ = ["is_s3", "s3_get_range_into"]
 
 
 def is_s3(fs: Any) -> bool:
@@ -18,9 +18,11 @@ def is_s3(fs: Any) -> bool:
     return hasattr(fs, "_call_s3") and hasattr(fs, "split_path")
 
 
-def s3_get_range(fs: Any, path: str, start: int, stop: int, *, etag: str | None, version: str | None) -> bytes:
-    """Bytes ``[start, stop)`` of ``path`` (``bucket/key``), read only if the object still has ``etag`` (``If-Match``)
-    and, where given, from ``version``; s3fs's translated error otherwise (412 -> ``OSError(EINVAL)``)."""
+def s3_get_range_into(fs: Any, path: str, start: int, view: memoryview, *, etag: str | None, version: str | None) -> int:
+    """Read bytes ``[start, start + len(view))`` of ``path`` (``bucket/key``) into ``view`` as they arrive (no copy of
+    the whole range in between), only if the object still has ``etag`` (``If-Match``) and, where given, from
+    ``version``; the number of bytes read (fewer: the body ended early). s3fs's translated error otherwise (412 ->
+    ``OSError(EINVAL)``)."""
     from fsspec.asyn import sync
 
     bucket, key, _ = fs.split_path(path)
@@ -28,11 +30,19 @@ def s3_get_range(fs: Any, path: str, start: int, stop: int, *, etag: str | None,
     if version:
         condition["VersionId"] = version
 
-    async def get() -> bytes:
-        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **condition)
+    async def get() -> int:
+        response = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + len(view) - 1}", **condition,
+        )
+        body, got = response["Body"], 0
         try:
-            return await response["Body"].read()
+            while got < len(view):
+                n = await body.readinto(view[got:])
+                if n == 0:
+                    break
+                got += n
+            return got
         finally:
-            response["Body"].close()
+            body.close()
 
     return sync(fs.loop, get)

@@ -121,35 +121,48 @@ class ObjectStore:
             )
         return objects
 
-    def read_range(self, remote: RemoteFile, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of ``remote``, conditional on the ETag (or version) it was planned with.
+    def read_into(self, remote: RemoteFile, view: memoryview, start: int) -> None:
+        """Fill ``view`` with the bytes of ``remote`` from ``start``, conditional on the ETag (or version) it was planned
+        with; S3 bodies land in ``view`` as they arrive.
 
         Raises:
             RemoteFileChangedError: the object was replaced or removed since planning.
             ObjectStoreCredentialsError: no credentials, or refused.
             ObjectStoreError: the store kept failing (names the object and the last answer).
         """
-        path = f"{self.root}/{remote.filename}"
-        if self._conditional:
-            read = lambda: fsspec_api.s3_get_range(self.fs, path, start, stop, etag=remote.etag, version=remote.version)
-        else:
-            read = lambda: self.fs.cat_file(path, start=start, end=stop)
-        data = self._call(read, what=f"bytes {start}-{stop - 1}", url=remote.url, planned=remote)
-        if len(data) != stop - start:
+        path, stop = f"{self.root}/{remote.filename}", start + len(view)
+
+        def read() -> int:
+            if self._conditional:
+                return fsspec_api.s3_get_range_into(self.fs, path, start, view, etag=remote.etag, version=remote.version)
+            data = self.fs.cat_file(path, start=start, end=stop)
+            view[: len(data)] = data[: len(view)]
+            return len(data)
+
+        got = self._call(read, what=f"bytes {start}-{stop - 1}", url=remote.url, planned=remote)
+        if got != len(view):
             raise RemoteFileChangedError(
                 f"{remote.url}: asked for bytes {start}-{stop - 1} of the {remote.size} planned (etag {remote.etag}), "
-                f"got {len(data)}. The object changed; load again to re-plan.", file=remote.url,
+                f"got {got}. The object changed; load again to re-plan.", file=remote.url,
             )
-        return data
+
+    def read_range(self, remote: RemoteFile, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``remote`` (``read_into`` a buffer of their own)."""
+        buffer = bytearray(stop - start)
+        self.read_into(remote, memoryview(buffer), start)
+        return bytes(buffer)
 
     def download(self, remote: RemoteFile, path: str) -> str:
         """``remote`` into the local file ``path`` (written aside, then renamed), by conditional range reads."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.incomplete"
         try:
+            buffer = memoryview(bytearray(min(remote.size, DOWNLOAD_CHUNK_BYTES)))
             with open(partial, "wb") as f:
                 for start in range(0, remote.size, DOWNLOAD_CHUNK_BYTES):
-                    f.write(self.read_range(remote, start, min(remote.size, start + DOWNLOAD_CHUNK_BYTES)))
+                    piece = buffer[: min(remote.size - start, DOWNLOAD_CHUNK_BYTES)]
+                    self.read_into(remote, piece, start)
+                    f.write(piece)
             os.replace(partial, path)
         finally:
             if os.path.exists(partial):
@@ -222,8 +235,7 @@ class ObjectStoreRanges(ByteSource):
         """Body bytes received from the store."""
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
-        data = self._store.read_range(self._remote[file], offset, offset + len(view))
-        view[:] = data
+        self._store.read_into(self._remote[file], view, offset)
         with self._count:
             self.requests += 1
-            self.bytes_fetched += len(data)
+            self.bytes_fetched += len(view)
