@@ -102,7 +102,10 @@ def start_s3_server(binary: str, *, timeout_s: float = 60.0) -> S3Server:
 
 class FaultProxy:
     """A loopback HTTP proxy in front of the S3 server. ``fault(method, path, headers)`` returns None (forward the
-    request) or an HTTP status to answer instead (503 with S3's SlowDown body, 500...), or -1 to cut the connection."""
+    request) or an HTTP status to answer instead (503 with S3's SlowDown body, 500...), -1 to cut the connection, or
+    -2 to stall (answer nothing for ``STALL_S``, then forward)."""
+
+    STALL_S = 3.0
 
     def __init__(self, upstream: str, fault: Callable[[str, str, dict], int | None]):
         host, port = upstream.removeprefix("http://").split(":")
@@ -123,6 +126,9 @@ class FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
+                if status == -2:
+                    time.sleep(FaultProxy.STALL_S)
+                    status = None
                 if status is not None:
                     code = "SlowDown" if status == 503 else "InternalError"
                     text = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>fault</Message></Error>".encode()

@@ -165,11 +165,12 @@ def _failing_ranges(status: int, times: int):
     return fault
 
 
-# botocore's own retries off, so that the test runs in seconds (s3fs still retries SlowDown a few times)
-_NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+# botocore's own retries off, so that the test runs in seconds (s3fs still retries SlowDown a few times); a read
+# that stalls for a second is given up (and retried)
+_NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "read_timeout": 1}}
 
 
-@pytest.mark.parametrize("status", [503, 500, -1], ids=["slowdown", "internal-error", "reset"])
+@pytest.mark.parametrize("status", [503, 500, -1, -2], ids=["slowdown", "internal-error", "reset", "stall"])
 def test_a_fault_that_passes_is_retried(s3, stored, status):
     folder, url = stored("sharded")
     proxy = FaultProxy(s3.endpoint, _failing_ranges(status, times=1))
