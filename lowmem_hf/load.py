@@ -41,7 +41,7 @@ from .resolve_store import is_store_url
 from .report import report_of
 from .routing import (
     generation_config_source, init_params, is_hub_repo, reject_adapter, reject_quantized, reject_unknown,
-    pin_store, resolve_checkpoint, resolve_class_and_config, resolve_stored,
+    pin_stored, resolve_checkpoint, resolve_class_and_config, resolve_stored,
 )
 from .settings import async_load, proc_status_bytes
 from .sources import ByteSource
@@ -125,7 +125,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # TP first: under torchrun this creates the process group, which the revision pinning below uses so
     # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
     tp_request = request_tp(PreTrainedModel, **vars(request.tp))
-    store = pin_store(request) if is_store_url(request.name_or_path) else None  # listed once, small files mirrored
+    store = pin_stored(request) if is_store_url(request.name_or_path) else None  # listed once, small files mirrored
     is_hub = store is None and is_hub_repo(request.name_or_path, request.hub.subfolder)
     if not is_hub and store is None:
         reject_adapter(request)

@@ -32,13 +32,12 @@ from .formats import dcp
 from .hub import resolve_hub
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_dcp, resolve_local
-from .resolve_store import PinnedStore, resolve_store
-from .resolve_store import pin_store as _pin_store
+from .resolve_store import PinnedStore, pin_store, resolve_store
 from .types import Checkpoint, CheckpointFormat
 
 __all__ = [
     "is_hub_repo", "reject_adapter", "resolve_class_and_config", "reject_quantized", "init_params", "reject_unknown",
-    "resolve_checkpoint", "pin_store", "resolve_stored", "config_source", "config_error_message", "generation_config_source",
+    "resolve_checkpoint", "pin_stored", "resolve_stored", "config_source", "config_error_message", "generation_config_source",
 ]
 
 
@@ -243,9 +242,9 @@ def resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Check
     return resolve_local(request.name_or_path, subfolder=request.hub.subfolder, **selection)
 
 
-def pin_store(request: LoadRequest) -> PinnedStore:
+def pin_stored(request: LoadRequest) -> PinnedStore:
     """An object-store checkpoint listed once, its small files mirrored locally (``resolve_store.pin_store``)."""
-    return _pin_store(
+    return pin_store(
         request.name_or_path, storage_options=request.storage_options, subfolder=request.hub.subfolder,
         need_config=request.config is None,
     )
