@@ -445,3 +445,12 @@ def test_storage_options_are_checked_and_never_shown():
     with pytest.raises(lowmem_hf.ArgumentTypeError, match="storage_options must be a dict") as e:
         _request("s3://bucket/model", storage_options="key=secret")
     assert "key=secret" not in str(e.value)
+
+
+def test_importing_lowmem_hf_imports_no_object_store_client():
+    import subprocess
+    import sys
+
+    code = "import sys, lowmem_hf; print(sorted(m for m in ('s3fs', 'aiobotocore', 'boto3') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -63,6 +63,7 @@ def _answer(e: BaseException) -> str:
 
 
 def _with_defaults(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` over ``_DEFAULT_OPTIONS`` of ``protocol``, nested dicts (``config_kwargs``) merged key by key."""
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in _DEFAULT_OPTIONS.get(protocol, {}).items()}
     for key, value in options.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
