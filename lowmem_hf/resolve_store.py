@@ -136,6 +136,7 @@ def pin_store(url: str, *, storage_options: Mapping[str, Any] | None, subfolder:
     # named after every object of the subfolder, weights too: a .bin shard downloaded here is never one replaced since
     key = "\n".join([store.url, *(f"{n} {objects[n].etag} {objects[n].version}" for n in pinned.level())])
     mirror = os.path.join(store_cache_dir(), hashlib.sha256(key.encode()).hexdigest()[:24])
+    os.makedirs(os.path.join(mirror, subfolder), exist_ok=True)  # there even with no small file (config= passed)
     _mirror(store, objects, small, mirror)
     return replace(pinned, mirror=mirror)
 
