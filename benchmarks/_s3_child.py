@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--tp", action="store_true")
     parser.add_argument("--download-dir")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="lowmem_hf's chunk_bytes (default: its own)")
     args = parser.parse_args()
 
     import torch
@@ -61,7 +62,8 @@ def main() -> int:
     start = time.perf_counter()
     counts = {}
     if args.loader == "lowmem":
-        model, report = LowMem.from_pretrained(args.url, torch_dtype=torch.bfloat16, output_loading_info=True, **tp)
+        chunk = {"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}
+        model, report = LowMem.from_pretrained(args.url, torch_dtype=torch.bfloat16, output_loading_info=True, **tp, **chunk)
         counts = {"bytes_received": report.bytes_received, "bytes_read": report.bytes_read, "bytes_fetched": report.bytes_fetched}
     else:
         _download(args.url, args.download_dir)

@@ -2,6 +2,7 @@
 a loopback proxy shaped like object storage: each connection throttled (100 MB/s), every request delayed (20 ms).
 
     python benchmarks/bench_s3.py [--size-gb 2.0] [--rate-mb 100] [--latency-ms 20] [--ranks 1 2 3] [--repeats 1]
+        [--chunk-mib N]
 
 For 1, 2 and 3 tensor-parallel ranks (gloo, one process each) it loads the checkpoint as bf16 two ways:
 lowmem_hf's ``from_pretrained("s3://...")`` (each rank's planned ranges; under a process group the cooperative
@@ -104,7 +105,7 @@ class ShapedProxy:
         self._server.server_close()
 
 
-def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks: int) -> dict:
+def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks: int, chunk_mib: int | None = None) -> dict:
     proxy.reset()
     port, procs = free_port(), []
     for rank in range(ranks):
@@ -115,6 +116,8 @@ def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks:
                    AWS_ENDPOINT_URL=proxy.endpoint, AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret,
                    AWS_DEFAULT_REGION="us-east-1")
         argv = [sys.executable, str(HERE / "_s3_child.py"), "--loader", loader, "--url", url, "--download-dir", str(home / "copy")]
+        if chunk_mib:
+            argv += ["--chunk-bytes", str(chunk_mib << 20)]
         if ranks > 1:
             argv.append("--tp")
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
@@ -142,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to every request")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of every case; times are medians")
+    parser.add_argument("--chunk-mib", type=int, default=None, help="lowmem_hf's chunk_bytes in MiB (default: its own, 4)")
     parser.add_argument("--workdir", default=str(HERE / "_work"))
     args = parser.parse_args(argv)
     binary = weed_binary()
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
         for repeat in range(args.repeats):
             for ranks in args.ranks:
                 for loader in ("boto3", "lowmem"):
-                    row = run(proxy, server, url, scratch, loader, ranks)
+                    row = run(proxy, server, url, scratch, loader, ranks, args.chunk_mib)
                     runs.setdefault((ranks, loader), []).append(row)
                     ratio = f"  received {row['received_vs_read']:.3f}x of read" if row["received_vs_read"] is not None else ""
                     print(f"  [{repeat + 1}/{args.repeats}] {loader:7s} ranks={ranks}  {row['seconds']:7.2f}s  sent "
