@@ -22,6 +22,9 @@ from .errors import (
     CorruptDownloadError,
     HubConnectionError,
     IncompleteLoadError,
+    ObjectStoreCredentialsError,
+    ObjectStoreError,
+    RemoteConnectionError,
     LowMemError,
     MissingKeyError,
     MissingShardError,
@@ -60,6 +63,7 @@ _LAZY: dict[str, str] = {
     "save_pretrained": "save",
     "LoadReport": "types",
     "DtypeDecision": "types",
+    "fetch_small_files": "resolve_store",
 }
 
 
@@ -91,6 +95,7 @@ __all__ = [
     "unpatch_transformers",
     "is_patched",
     "save_pretrained",
+    "fetch_small_files",
     "LoadReport",
     "DtypeDecision",
     "LowMemError",
@@ -109,6 +114,9 @@ __all__ = [
     "OutsideCheckpointError",
     "CorruptDownloadError",
     "HubConnectionError",
+    "RemoteConnectionError",
+    "ObjectStoreError",
+    "ObjectStoreCredentialsError",
     "OversizedModelError",
     "UpstreamAPIError",
     *_AUTO_CLASS_NAMES,

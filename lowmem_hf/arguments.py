@@ -134,6 +134,11 @@ ARGUMENTS: tuple[Argument, ...] = (
              "publishes for LFS files (their ETag); a mismatch removes the file from the HF cache and downloads it "
              "once more, then raises ``CorruptDownloadError``. ``False`` skips the hashing (size and ETag are still "
              "compared with the plan). Files already in the cache are not hashed again."),
+    Argument("storage_options", "storage_options", "hub",
+             "for object-store URLs (``s3://bucket/prefix``, any fsspec URL): passed to the fsspec filesystem, as "
+             "pandas, datasets and DCP take it (``{\"endpoint_url\": ..., \"key\": ..., \"secret\": ...}``, "
+             "``{\"anon\": True}``, ``{\"profile\": ...}``). Default: the provider chain (environment, "
+             "``AWS_PROFILE``, instance role) and ``AWS_ENDPOINT_URL``. See docs/object-storage.md."),
     Argument("tp_plan", "tp.tp_plan", "distributed",
              "tensor parallelism: ``\"auto\"`` (the model's own plan: ``_tp_plan`` merged with "
              "``config.base_model_tp_plan``) or a dict of rules overriding it. Under a process group (or torchrun) the "

@@ -61,7 +61,10 @@ def format_report(report) -> str:
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a local folder or a Hub repo id")
+    p.add_argument(
+        "model", help="a local folder, a Hub repo id, or an object-store URL (s3://bucket/prefix: credentials and "
+        "endpoint from the environment, AWS_ENDPOINT_URL included)",
+    )
     p.add_argument("--auto-class", default="AutoModelForCausalLM")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto")
@@ -234,36 +237,13 @@ def _plot(args, runs: list[dict], rank: int) -> str:
     return path
 
 
-def _print_loads(runs: list[dict], *, tag: str, downloaded: int, warmed: bool, initially: float | None) -> None:
-    """The human-readable lines of ``lowmem-hf load``: one per loader, then the comparison's ratios."""
-    from .comparison import comparison_lines
-
-    if downloaded:
-        print(f"{tag}downloaded {downloaded} weight file(s) into the HF cache before timing, so both loads read them from there")
-    if warmed:
-        print(f"{tag}the weight files were {initially:.0%} in the page cache: read once before timing, so both loads start warm")
-    for r in runs:
-        throughput = (r["rchar"] / _MIB) / r["seconds"] if r["seconds"] else 0.0
-        read = f"{r['bytes_read'] / _MIB:.1f} MiB read" if r["bytes_read"] is not None else "bytes read: n/a"
-        cache = f", page cache {r['page_cache_fraction']:.0%}" if r["page_cache_fraction"] is not None else ""
-        each = f" (runs {', '.join(f'{t:.2f}' for t in r['runs_seconds'])})" if len(r["runs_seconds"]) > 1 else ""
-        print(
-            f"{tag}{r['loader']:>12}: {r['seconds']:.2f} s{each}{cache}, {read}, rchar {r['rchar'] / _MIB:.1f} MiB "
-            f"({throughput:.0f} MiB/s), model {r['model_bytes'] / _MIB:.1f} MiB, peak above baseline RssAnon "
-            f"{r['peak_rss_anon_bytes'] / _MIB:.1f} MiB / VmHWM {r['peak_vm_hwm_bytes'] / _MIB:.1f} MiB"
+def _refuse_store_comparison(args) -> None:
+    """``--compare-transformers`` of an object-store URL (``resolve_store.is_store_url``): transformers cannot load it."""
+    if args.compare_transformers and "://" in args.model and not args.model.startswith("file://"):
+        raise UsageError(
+            f"--compare-transformers: transformers cannot load {args.model} (an object-store URL); copy the checkpoint "
+            "to a local folder and compare there, or run benchmarks/bench_s3.py"
         )
-        if r["loader"] != "bare":
-            print(f"{tag}{'':>12}  missing {r['missing_keys'] or 'none'}, unexpected {r['unexpected_keys'] or 'none'}")
-    for line in comparison_lines(runs):
-        print(f"{tag}{line}")
-    if len(runs) >= 2:
-        caches = [r["page_cache_fraction"] for r in runs[:2]]
-        if None not in caches and abs(caches[0] - caches[1]) > 0.1:
-            print(
-                f"{tag}not like for like: the weight files were {caches[0]:.0%} / {caches[1]:.0%} in the page cache "
-                "when each load began, so the time ratio compares loads from different cache states"
-                + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
-            )
 
 
 def _load(args) -> int:
@@ -274,8 +254,9 @@ def _load(args) -> int:
     if repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {repeats}")
     rank = launcher_rank() or 0
+    _refuse_store_comparison(args)
     prepared = _prepare(args, tp_rank=rank % args.tp_size)  # bad input fails here, in one line, before any child runs
-    from .comparison import round_order, summarize
+    from .comparison import print_loads, round_order, summarize
     from .measured_load import bare_files_supported
     from .sources.local import cached_fraction
 
@@ -304,7 +285,7 @@ def _load(args) -> int:
         }, indent=2))
         return 0
     tag = f"[rank {rank}] " if launcher_rank() is not None else ""
-    _print_loads(runs, tag=tag, downloaded=downloaded, warmed=warmed, initially=initially)
+    print_loads(runs, tag=tag, downloaded=downloaded, warmed=warmed, initially=initially)
     if plotted:
         print(f"{tag}memory over time drawn into {plotted}")
     return 0

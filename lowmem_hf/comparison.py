@@ -1,4 +1,4 @@
-"""``lowmem-hf load --compare-transformers``: the repeated loads summed up as medians, ratios and multiples of ``bare``.
+"""``lowmem-hf load``'s output: the repeated loads of a comparison summed up as medians, ratios and multiples of ``bare``.
 
 One load per loader is one sample of a noisy quantity: on a shared or virtualized machine two loads of the same
 checkpoint in a row can differ by half (page faults on fresh memory cost what the hypervisor makes them cost). So
@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["round_order", "summarize", "comparison_lines"]
+__all__ = ["round_order", "summarize", "comparison_lines", "print_loads"]
 
 _MIB = 1024 * 1024
 _MEMORY = ("peak_rss_anon_bytes", "peak_vm_hwm_bytes")
@@ -67,3 +67,33 @@ def comparison_lines(summary: list[dict[str, Any]]) -> list[str]:
             f"against bare (every tensor read and converted into fresh memory, nothing else: {bare['seconds']:.2f} s): {multiples}"
         )
     return lines
+
+
+def print_loads(runs: list[dict], *, tag: str, downloaded: int, warmed: bool, initially: float | None) -> None:
+    """The human-readable lines of ``lowmem-hf load``: one per loader, then the comparison's ratios."""
+    if downloaded:
+        print(f"{tag}downloaded {downloaded} weight file(s) into the HF cache before timing, so both loads read them from there")
+    if warmed:
+        print(f"{tag}the weight files were {initially:.0%} in the page cache: read once before timing, so both loads start warm")
+    for r in runs:
+        throughput = (r["rchar"] / _MIB) / r["seconds"] if r["seconds"] else 0.0
+        read = f"{r['bytes_read'] / _MIB:.1f} MiB read" if r["bytes_read"] is not None else "bytes read: n/a"
+        cache = f", page cache {r['page_cache_fraction']:.0%}" if r["page_cache_fraction"] is not None else ""
+        each = f" (runs {', '.join(f'{t:.2f}' for t in r['runs_seconds'])})" if len(r["runs_seconds"]) > 1 else ""
+        print(
+            f"{tag}{r['loader']:>12}: {r['seconds']:.2f} s{each}{cache}, {read}, rchar {r['rchar'] / _MIB:.1f} MiB "
+            f"({throughput:.0f} MiB/s), model {r['model_bytes'] / _MIB:.1f} MiB, peak above baseline RssAnon "
+            f"{r['peak_rss_anon_bytes'] / _MIB:.1f} MiB / VmHWM {r['peak_vm_hwm_bytes'] / _MIB:.1f} MiB"
+        )
+        if r["loader"] != "bare":
+            print(f"{tag}{'':>12}  missing {r['missing_keys'] or 'none'}, unexpected {r['unexpected_keys'] or 'none'}")
+    for line in comparison_lines(runs):
+        print(f"{tag}{line}")
+    if len(runs) >= 2:
+        caches = [r["page_cache_fraction"] for r in runs[:2]]
+        if None not in caches and abs(caches[0] - caches[1]) > 0.1:
+            print(
+                f"{tag}not like for like: the weight files were {caches[0]:.0%} / {caches[1]:.0%} in the page cache "
+                "when each load began, so the time ratio compares loads from different cache states"
+                + (" (not read into memory before timing: too large)" if not warmed and initially < 0.99 else "")
+            )

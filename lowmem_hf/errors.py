@@ -24,7 +24,10 @@ __all__ = [
     "RemoteFileChangedError",
     "OutsideCheckpointError",
     "CorruptDownloadError",
+    "RemoteConnectionError",
     "HubConnectionError",
+    "ObjectStoreError",
+    "ObjectStoreCredentialsError",
     "OversizedModelError",
     "UpstreamAPIError",
     "UnsupportedStyleError",
@@ -142,9 +145,25 @@ class CorruptDownloadError(CorruptCheckpointError):
     download and on the one retry. The corrupt copy is no longer in the HF cache."""
 
 
-class HubConnectionError(LowMemError, ConnectionError):
+class RemoteConnectionError(LowMemError, ConnectionError):
+    """A remote store (the Hub, an object store) did not deliver a file's bytes after every retry; the subclass says
+    which kind of store. Catch this one to handle both."""
+
+
+class HubConnectionError(RemoteConnectionError):
     """The Hub did not deliver a file's bytes after every retry: the connection kept dropping, or the server kept
     answering a retryable status (5xx, 408, 429). The message names the file and what the last attempt met."""
+
+
+class ObjectStoreError(RemoteConnectionError):
+    """An object store (``s3://...``, any fsspec store) did not deliver an object's bytes after every retry: it kept
+    answering 5xx or SlowDown, or the connection kept dropping or stalling. The message names the object and the last
+    answer (``file``: the object's URL; ``found``: the last answer)."""
+
+
+class ObjectStoreCredentialsError(LowMemError, PermissionError):
+    """An object store found no credentials, or refused the ones it was given (403). The message names the bucket and
+    what to set; it never shows a credential."""
 
 
 class OversizedModelError(LowMemError, ValueError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -37,10 +37,11 @@ from .plan import DtypePolicy, KeyMapping, make_plan, map_checkpoint_keys
 from .plan.planner import decisions_of
 from .progress import byte_bar
 from .request import LoadRequest
+from .resolve_store import is_store_url
 from .report import report_of
 from .routing import (
     generation_config_source, init_params, is_hub_repo, reject_adapter, reject_quantized, reject_unknown,
-    resolve_checkpoint, resolve_class_and_config,
+    pin_stored, resolve_checkpoint, resolve_class_and_config, resolve_stored,
 )
 from .settings import async_load, proc_status_bytes
 from .sources import ByteSource
@@ -124,13 +125,16 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # TP first: under torchrun this creates the process group, which the revision pinning below uses so
     # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
     tp_request = request_tp(PreTrainedModel, **vars(request.tp))
-    is_hub = is_hub_repo(request.name_or_path, request.hub.subfolder)
-    if not is_hub:
+    store = pin_stored(request) if is_store_url(request.name_or_path) else None  # listed once, small files mirrored
+    is_hub = store is None and is_hub_repo(request.name_or_path, request.hub.subfolder)
+    if not is_hub and store is None:
         reject_adapter(request)
     if is_hub:
         # one commit for config, index, headers and weights (every rank uses rank 0's sha)
         request = request.with_revision(pin_revision(request.name_or_path, request.hub.revision, request.hub.as_kwargs()))
-    model_class, config, model_kwargs = resolve_class_and_config(request)
+    # transformers reads an object store's config from the local copy of its small files
+    config_request = request if store is None else replace(request, name_or_path=store.mirror)
+    model_class, config, model_kwargs = resolve_class_and_config(config_request)
     reject_quantized(config)
     engine = engine_for(tp_request)
     reject_unknown({k: v for k, v in model_kwargs.items() if k not in init_params(model_class)}, model_class=model_class, config=config)
@@ -140,7 +144,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
         hf.set_experts_implementation(config, request.experts_implementation)
 
     # 1. resolve: which files, which tensors, where (headers only)
-    checkpoint = resolve_checkpoint(request, config, is_hub)
+    checkpoint = resolve_checkpoint(request, config, is_hub) if store is None else resolve_stored(request, config, store)
     config, main_dtype = decide_dtype(request, config, checkpoint)
     config.name_or_path = request.name_or_path
 

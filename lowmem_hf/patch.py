@@ -116,12 +116,19 @@ def _load_or_fall_back(cls, path, model_args: tuple, kwargs: dict):
     from .compat.transformers_api import TELEMETRY_KWARGS
     from .load import execute, prepare  # on the first switched call; transformers' modeling code is loaded by then
     from .request import make_request
+    from .resolve_store import is_store_url
 
     # transformers' own callers add these; they change nothing about what is loaded, so the switch drops them
     ours = {k: v for k, v in kwargs.items() if k not in TELEMETRY_KWARGS}
     try:
         prepared = prepare(make_request(cls, path, *model_args, **ours))
     except UnsupportedArgumentError as unsupported:
+        if is_store_url(path):
+            raise UnsupportedArgumentError(
+                unsupported.argument, f"{unsupported} transformers' own from_pretrained cannot load {path} (an "
+                "object-store URL), so the switch has no loader to hand this call to: copy the checkpoint to a local "
+                "folder to load it with transformers.",
+            ) from unsupported
         reason = f"uses {unsupported.argument!r}, which lowmem_hf does not implement ({unsupported})"
         return _fall_back(cls, path, model_args, kwargs, reason)
     except NothingToLoadError as nothing:

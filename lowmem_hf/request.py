@@ -25,7 +25,7 @@ from .distributed.mesh import check_distributed_config
 from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgumentError, short_repr
 from .fetch import FETCH_MODES
 from .settings import DEFAULT_SPAN_BYTES
-from .plan.dtypes import check_dtype_policy, check_float_dtype, parse_dtype, parse_overrides
+from .plan.dtypes import check_dtype_policy, parse_overrides, requested_dtype
 from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
 
 __all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request"]
@@ -117,6 +117,9 @@ class LoadRequest:
     """``fetch="ranges"`` under a process group: the largest span one request fetches for all ranks."""
     verify_downloads: bool = True
     """Hub loads: hash each LFS file downloaded during the load against the sha256 the Hub publishes (its ETag)."""
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Object-store loads: the fsspec filesystem's options (endpoint, credentials: never in a repr); None: the
+    provider chain."""
     tp: TPOptions = field(default_factory=TPOptions)
     config_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Config attributes to override, or model ``__init__`` keywords, routed as transformers routes them."""
@@ -230,6 +233,7 @@ def make_request(
     fetch: str = "files",
     fetch_span_bytes: int = DEFAULT_SPAN_BYTES,
     verify_downloads: bool = True,
+    storage_options: dict | None = None,
     tp_plan: str | dict | None = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
@@ -259,7 +263,7 @@ def make_request(
                 name, f"from_pretrained({name}={short_repr(value)}) is not supported by lowmem_hf: {NOT_IMPLEMENTED[name]}."
             )
     distributed_config = check_distributed_config(distributed_config)
-    requested = _requested_dtype(torch_dtype, dtype)
+    requested = requested_dtype(torch_dtype, dtype)
     check_dtype_policy(dtype_policy)
     if variant is not None and (not isinstance(variant, str) or not variant):
         # transformers inserts it as it is: variant='' looks for model..safetensors and finds nothing
@@ -282,6 +286,7 @@ def make_request(
     _check_read_options(
         fetch=fetch, chunk_bytes=chunk_bytes, read_ahead_bytes=read_ahead_bytes, mmap=mmap, disable_mmap=disable_mmap,
         fetch_span_bytes=fetch_span_bytes, verify_downloads=verify_downloads, checkpoint_format=checkpoint_format,
+        storage_options=storage_options,
     )
     return LoadRequest(
         target=target,
@@ -318,31 +323,16 @@ def make_request(
         fetch=fetch,
         fetch_span_bytes=fetch_span_bytes,
         verify_downloads=verify_downloads,
+        storage_options=MappingProxyType(dict(storage_options)) if storage_options is not None else None,
         tp=TPOptions(tp_plan=tp_plan, tp_size=tp_size, tp_rank=tp_rank, device_mesh=device_mesh, distributed_config=distributed_config),
         config_overrides=MappingProxyType(dict(config_overrides)),
         tqdm_class=tqdm_class,
         checkpoint_format=checkpoint_format,
     )
 
-def _requested_dtype(torch_dtype: Any, dtype: Any) -> Any:
-    """The declared dtype of ``torch_dtype``/``dtype`` (transformers 5's two names for it): ``"auto"`` or a float
-    ``torch.dtype``."""
-    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
-    requested = dtype if dtype is not None else torch_dtype
-    if requested is None:
-        requested = "auto"  # transformers 5's default
-    if isinstance(requested, dict):
-        raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
-    if requested != "auto":
-        argument = "torch_dtype" if torch_dtype is not None else "dtype"
-        requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
-    return requested
-
-
 def _check_read_options(
     *, fetch: str, chunk_bytes: Any, read_ahead_bytes: Any, mmap: Any, disable_mmap: Any, fetch_span_bytes: Any,
-    verify_downloads: Any, checkpoint_format: Any,
+    verify_downloads: Any, checkpoint_format: Any, storage_options: Any,
 ) -> None:
     """The arguments that steer how the bytes are read: each its type and range, or a ``ValueError`` naming it."""
     if fetch not in FETCH_MODES:
@@ -359,12 +349,18 @@ def _check_read_options(
         raise ValueError(f"fetch_span_bytes must be a positive int, got {fetch_span_bytes!r}.")
     if not isinstance(verify_downloads, bool):
         raise ValueError(f"verify_downloads must be True or False, got {verify_downloads!r}.")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        found = type(storage_options).__name__
+        fix = "Pass a dict such as {'endpoint_url': ...}, or None for the provider chain."
+        raise ArgumentTypeError(
+            f"storage_options must be a dict of the fsspec filesystem's options, got {found}. {fix}",
+            key="storage_options", expected="a dict or None", found=found, fix=fix,
+        )
     if checkpoint_format not in (None, "dcp"):
         raise ValueError(
             f"checkpoint_format={checkpoint_format!r} is not a checkpoint format; use 'dcp' for a sharded training "
             "checkpoint (torch.distributed.checkpoint), or leave it None to detect the format from the files."
         )
-
 
 
 def signature_defaults() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import traceback
+from dataclasses import replace
 from typing import Any, Callable
 
 from huggingface_hub.errors import HFValidationError
@@ -31,11 +32,12 @@ from .formats import dcp
 from .hub import resolve_hub
 from .request import NOT_IMPLEMENTED, LoadRequest, make_request
 from .resolve import resolve_dcp, resolve_local
+from .resolve_store import PinnedStore, pin_store, resolve_store
 from .types import Checkpoint, CheckpointFormat
 
 __all__ = [
     "is_hub_repo", "reject_adapter", "resolve_class_and_config", "reject_quantized", "init_params", "reject_unknown",
-    "resolve_checkpoint", "config_source", "config_error_message", "generation_config_source",
+    "resolve_checkpoint", "pin_stored", "resolve_stored", "config_source", "config_error_message", "generation_config_source",
 ]
 
 
@@ -240,6 +242,23 @@ def resolve_checkpoint(request: LoadRequest, config: Any, is_hub: bool) -> Check
     return resolve_local(request.name_or_path, subfolder=request.hub.subfolder, **selection)
 
 
+def pin_stored(request: LoadRequest) -> PinnedStore:
+    """An object-store checkpoint listed once, its small files mirrored locally (``resolve_store.pin_store``)."""
+    return pin_store(
+        request.name_or_path, storage_options=request.storage_options, subfolder=request.hub.subfolder,
+        need_config=request.config is None,
+    )
+
+
+def resolve_stored(request: LoadRequest, config: Any, store: PinnedStore) -> Checkpoint:
+    """``resolve_checkpoint`` for an object store: the weight file chosen as transformers chooses it."""
+    return resolve_store(
+        store, variant=request.variant, use_safetensors=request.use_safetensors,
+        explicit_filename=getattr(config, "transformers_weights", None), weights_only=request.weights_only,
+        checkpoint_format=request.checkpoint_format,
+    )
+
+
 def config_source(request: LoadRequest) -> str | None:
     """The config file transformers read: a local file, or a description of the Hub repo's; None if there is none."""
     config, subfolder = request.config, request.hub.subfolder
@@ -307,8 +326,11 @@ def generation_config_source(request: LoadRequest, checkpoint: Checkpoint) -> st
     The checkpoint's folder, as in transformers, except for a training checkpoint that holds neither file
     (``dcp.save`` writes only ``.metadata`` and ``*.distcp``): then the folder of ``config=`` when it is a path, or
     None when it is a config object, whose model already built its generation config from the config at
-    ``__init__``, exactly as transformers builds one when no file has it.
+    ``__init__``, exactly as transformers builds one when no file has it. An object store's files are read in its
+    local mirror (``checkpoint.config_dir``).
     """
+    if checkpoint.config_dir is not None:
+        request = replace(request, name_or_path=checkpoint.config_dir)
     if request.generation_config is not None or checkpoint.format != CheckpointFormat.DCP:
         return request.name_or_path
     folder = os.path.join(request.name_or_path, request.hub.subfolder)

@@ -12,7 +12,7 @@ from transformers.utils.import_utils import is_env_variable_true
 
 __all__ = [
     "DEFAULT_SPAN_BYTES", "async_load", "launcher_rank", "launcher_world_size", "local_rank", "local_world_size",
-    "proc_status", "proc_status_bytes",
+    "proc_status", "proc_status_bytes", "store_cache_dir",
 ]
 
 DEFAULT_SPAN_BYTES = 16 * 1024 * 1024
@@ -23,6 +23,15 @@ def async_load() -> bool:
     """transformers' switch, read as it reads it: ``HF_DEACTIVATE_ASYNC_LOAD=1`` loads and downloads on the calling
     thread, starting no thread."""
     return not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
+
+
+def store_cache_dir() -> str:
+    """Where an object-store load keeps the checkpoint's small files (config, index, tokenizer) and the objects it
+    reads whole (``.bin`` shards, DCP files): ``LOWMEM_HF_STORE_CACHE``, else ``$HF_HOME/lowmem_hf/store``."""
+    if os.environ.get("LOWMEM_HF_STORE_CACHE"):
+        return os.environ["LOWMEM_HF_STORE_CACHE"]
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(hf_home, "lowmem_hf", "store")
 
 
 def launcher_rank() -> int | None:

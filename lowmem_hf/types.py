@@ -63,14 +63,16 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """A weight file of a Hub repo, pinned to one commit."""
+    """A weight file of a Hub repo pinned to one commit, or an object of an object store pinned to its ETag."""
 
     filename: str
-    """Path inside the repo (subfolder included)."""
+    """Path inside the repo, or inside the store's prefix (subfolder included)."""
     url: str
-    """Its ``resolve`` URL at the pinned commit."""
+    """Its ``resolve`` URL at the pinned commit; an object's URL (``s3://bucket/prefix/file``)."""
     size: int
     etag: str | None
+    version: str | None = None
+    """Object stores with versioning: the object's ``VersionId``, read instead of whatever is the latest."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class Checkpoint:
     layout: Any = None
     """Sharded training checkpoints (``CheckpointFormat.DCP``): where each stored chunk of every tensor is
     (a ``formats.dcp.DcpLayout``); ``None`` for the Hub layout."""
+    store: Any = None
+    """Object-store loads: the ``sources.objectstore.ObjectStore`` the ``remote`` objects are read from."""
+    config_dir: str | None = None
+    """Object-store loads: the local folder holding the checkpoint's small files (config, generation config)."""
     identities: Mapping[str, tuple[int, int, int, int]] = field(default_factory=dict)
     """Local folders: each weight file's ``(st_dev, st_ino, st_size, st_mtime_ns)`` from just before its header was
     read. The load reads tensor bytes only from files that are still exactly these (``sources.local.LocalFiles``)."""

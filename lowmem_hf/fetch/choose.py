@@ -5,10 +5,15 @@ Where the checkpoint is (``checkpoint_kind``):
 - ``"local"``: files on this machine (a folder, a training checkpoint);
 - ``"hub"``: a Hub repo whose planned files are read from the HF cache (``.bin`` shards, a checkpoint already
   cached, or any Hub checkpoint offline): the files missing from the cache are downloaded first;
-- ``"hub-ranges"``: a Hub safetensors checkpoint with files not in the cache, whose bytes can be read over HTTP.
+- ``"hub-ranges"``: a Hub safetensors checkpoint with files not in the cache, whose bytes can be read over HTTP;
+- ``"store-ranges"``: a safetensors checkpoint in object storage (``s3://...``, any fsspec store);
+- ``"store-chunks"``: a DCP checkpoint (``.distcp``) in object storage, whose chunks each rank reads by ranges
+  (not cooperatively: the exchange's schedule is safetensors byte offsets).
 
-Only ``"hub-ranges"`` under ``fetch="ranges"`` reads tensor bytes into memory without a local file; under a process
-group the ranks then fetch together (each byte once, ``sources.exchange``).
+``"hub-ranges"`` under ``fetch="ranges"`` and ``"store-ranges"`` under either mode read tensor bytes into memory
+without a local file (an object store has no cache to download into: its ``.bin`` and DCP files are downloaded at
+resolve and are ``"local"``); under a process group the ranks then fetch together (each byte once,
+``sources.exchange``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ..sources import ByteSource
 from ..sources.exchange import CooperativeRanges
 from ..sources.http import HttpRanges
 from ..sources.local import LocalFiles
+from ..sources.objectstore import ObjectStoreRanges
 from ..types import Checkpoint, CheckpointFormat, LoadPlan
 from . import fetch_files
 
@@ -67,6 +73,17 @@ def _cooperative_ranges(checkpoint: Checkpoint, plan: LoadPlan, told: FetchOptio
     )
 
 
+def _store_ranges(checkpoint: Checkpoint, plan: LoadPlan, told: FetchOptions) -> ByteSource:
+    return ObjectStoreRanges(checkpoint.remote, checkpoint.store)
+
+
+def _cooperative_store_ranges(checkpoint: Checkpoint, plan: LoadPlan, told: FetchOptions) -> ByteSource:
+    return CooperativeRanges(
+        checkpoint.remote, plan, ranges=ObjectStoreRanges(checkpoint.remote, checkpoint.store),
+        span_bytes=told.span_bytes, synchronous=told.synchronous,
+    )
+
+
 SOURCES: dict[tuple[str, str, bool], Callable[[Checkpoint, LoadPlan, FetchOptions], ByteSource]] = {
     # (where the checkpoint is, fetch mode, under a process group): the byte source
     ("local", "files", False): _local_files,
@@ -81,12 +98,23 @@ SOURCES: dict[tuple[str, str, bool], Callable[[Checkpoint, LoadPlan, FetchOption
     ("hub-ranges", "files", True): _downloaded_files,
     ("hub-ranges", "ranges", False): _http_ranges,
     ("hub-ranges", "ranges", True): _cooperative_ranges,
+    ("store-ranges", "files", False): _store_ranges,
+    ("store-ranges", "files", True): _cooperative_store_ranges,
+    ("store-ranges", "ranges", False): _store_ranges,
+    ("store-ranges", "ranges", True): _cooperative_store_ranges,
+    ("store-chunks", "files", False): _store_ranges,
+    ("store-chunks", "files", True): _store_ranges,
+    ("store-chunks", "ranges", False): _store_ranges,
+    ("store-chunks", "ranges", True): _store_ranges,
 }
 _LOCAL = (_local_files, _downloaded_files)
 
 
 def checkpoint_kind(checkpoint: Checkpoint) -> str:
-    """Where the checkpoint's bytes are: ``"local"``, ``"hub"`` or ``"hub-ranges"`` (see the module doc)."""
+    """Where the checkpoint's bytes are: ``"local"``, ``"hub"``, ``"hub-ranges"``, ``"store-ranges"`` or
+    ``"store-chunks"`` (see the module doc)."""
+    if checkpoint.store is not None and checkpoint.remote:
+        return "store-chunks" if checkpoint.format == CheckpointFormat.DCP else "store-ranges"
     if checkpoint.remote and checkpoint.format == CheckpointFormat.SAFETENSORS:
         return "hub-ranges"
     return "hub" if checkpoint.repo_id is not None else "local"

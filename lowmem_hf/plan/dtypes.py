@@ -29,10 +29,12 @@ import torch
 from transformers.core_model_loading import build_glob_alternation
 
 from ..compat.transformers_api import dtype_plan
+from ..errors import UnsupportedArgumentError
 from ..types import DtypeDecision
 
 __all__ = [
     "DTYPE_POLICIES", "FLOAT_DTYPES", "DtypePolicy", "check_dtype_policy", "check_float_dtype", "parse_dtype", "parse_overrides",
+    "requested_dtype",
 ]
 
 DTYPE_POLICIES = ("declared", "loaded")
@@ -178,3 +180,19 @@ class DtypePolicy:
             if fnmatch.fnmatchcase(name, pattern):
                 return DtypeDecision(dtype, f"override:{pattern}")
         return None
+
+
+def requested_dtype(torch_dtype: Any, dtype: Any) -> Any:
+    """The declared dtype of ``torch_dtype``/``dtype`` (transformers 5's two names for it): ``"auto"`` or a float
+    ``torch.dtype``."""
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them.")
+    requested = dtype if dtype is not None else torch_dtype
+    if requested is None:
+        requested = "auto"  # transformers 5's default
+    if isinstance(requested, dict):
+        raise UnsupportedArgumentError("dtype", "a per-sub-config dtype dict is not supported; use dtype_overrides.")
+    if requested != "auto":
+        argument = "torch_dtype" if torch_dtype is not None else "dtype"
+        requested = check_float_dtype(parse_dtype(requested, argument=argument), argument=argument)
+    return requested

@@ -3,6 +3,8 @@
 ``fetch="ranges"`` under a process group. Per-rank exact ranges cost one HTTP request per row of a dim-1 slice
 and every rank fetches the replicated tensors again; here the ranks fetch together instead:
 
+The spans come from the Hub (``HttpRanges``) or from an object store (``objectstore.ObjectStoreRanges``).
+
 1. Every rank's planned byte runs are all-gathered once (``all_gather_object``), tagged with the submodule
    that needs them. Every rank then computes the same schedule from the same data: the submodules, in plan
    order, grouped into waves of about ``wave_bytes``; in each wave, the union of all ranks' runs, per file,
@@ -75,9 +77,11 @@ class CooperativeRanges(ByteSource):
         wave_bytes: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         synchronous: bool = False,
+        ranges: ByteSource | None = None,
     ):
-        """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``)."""
-        self._http = HttpRanges(remote, token=token, local=local)
+        """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``).
+        ``ranges``: the source each span is fetched from (an object store's); default the Hub's ``HttpRanges``."""
+        self._http = ranges if ranges is not None else HttpRanges(remote, token=token, local=local)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         runs = rank_runs(plan)
         gathered: list = [None] * self._world

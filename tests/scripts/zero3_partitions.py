@@ -9,6 +9,7 @@ transformers' reference still loads ``path``.
 ``seqcls``: both load it as a sequence classifier, whose head the checkpoint lacks (initialized, seeded alike).
 ``hub-ranges`` / ``hub-files``: lowmem_hf loads the repo ``org/<basename of path>`` from the loopback Hub at
 ``$ZERO3_HUB`` (each rank its own empty HF cache: one node each) with that ``fetch=``.
+``s3``: lowmem_hf loads ``$ZERO3_S3/<basename of path>`` from an S3 server (endpoint and credentials in the env).
 """
 
 import json
@@ -65,7 +66,9 @@ def compare(path: str, options: set[str], source: str) -> dict:
     torch.manual_seed(0)
     load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
     fetch = next((o.removeprefix("hub-") for o in options if o.startswith("hub-")), None)
-    if fetch is not None:
+    if "s3" in options:
+        got, report = load(f"{os.environ['ZERO3_S3']}/{os.path.basename(path)}", output_loading_info=True)
+    elif fetch is not None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from hub_server import use_hub
 

@@ -1,0 +1,85 @@
+"""One process of bench_s3.py: load the checkpoint from the S3 server (credentials and AWS_ENDPOINT_URL in the env)
+as bf16 and print timings, bytes and this process's memory.
+
+    python benchmarks/_s3_child.py --loader {lowmem,boto3} --url s3://bucket/prefix [--tp] [--download-dir DIR]
+
+``lowmem``: ``from_pretrained("s3://...")``; ``boto3``: the usual recipe, every rank downloads every object with
+boto3's transfer manager, then transformers loads the local copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _download(url: str, folder: str) -> None:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")  # AWS_ENDPOINT_URL and the credentials from the environment
+    config = TransferConfig(max_concurrency=10, multipart_chunksize=8 * 1024 * 1024)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            path = os.path.join(folder, item["Key"][len(prefix) + 1 :])
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            client.download_file(bucket, item["Key"], path, Config=config)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--loader", choices=["lowmem", "boto3"], required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--tp", action="store_true")
+    parser.add_argument("--download-dir")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="lowmem_hf's chunk_bytes (default: its own)")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    import lowmem_hf
+
+    torch.set_num_threads(1)
+    if args.tp:
+        dist.init_process_group("gloo")
+    MODEL_FOR_CAUSAL_LM_MAPPING[LlamaConfig]  # the model's module before the clock, for both loaders
+    Auto, LowMem = transformers.AutoModelForCausalLM, lowmem_hf.LowMemAutoModelForCausalLM
+    tp = {"tp_plan": "auto"} if args.tp else {}
+    base_anon, base_hwm = _status_kb("RssAnon"), _status_kb("VmHWM")
+    start = time.perf_counter()
+    counts = {}
+    if args.loader == "lowmem":
+        chunk = {"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}
+        model, report = LowMem.from_pretrained(args.url, torch_dtype=torch.bfloat16, output_loading_info=True, **tp, **chunk)
+        counts = {"bytes_received": report.bytes_received, "bytes_read": report.bytes_read, "bytes_fetched": report.bytes_fetched}
+    else:
+        _download(args.url, args.download_dir)
+        model = Auto.from_pretrained(args.download_dir, dtype=torch.bfloat16, **tp)
+    seconds = time.perf_counter() - start
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    local = sum((p.data.to_local() if hasattr(p.data, "to_local") else p.data).nbytes for p in model.parameters())
+    print("@@RESULT " + json.dumps({
+        "seconds": seconds, "rank": dist.get_rank() if args.tp else 0, "model_bytes": local,
+        "rss_anon_bytes": (_status_kb("RssAnon") - base_anon) * 1024, "vm_hwm_bytes": (_status_kb("VmHWM") - base_hwm) * 1024,
+        **counts,
+    }), flush=True)
+    if args.tp:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
