@@ -124,3 +124,12 @@ def test_lowmem_hf_plan_prints_every_rank_of_a_mesh_without_a_group(checkpoints,
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert cli.main(["plan", checkpoints["llama"], "--tp-size", "2", "--fsdp-size", "2", "--rank", "4"]) == 2
     assert "--rank 4 is not a rank of a world of 4; ranks are 0..3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size, split_factor, num_chunks", [(53248, 8, 8), (257, 2, 4), (10, 4, 3), (3, 4, 8), (1, 1, 2)])
+def test_strided_shard_runs_are_the_indices_torch_s_cut_gives(size, split_factor, num_chunks):
+    from lowmem_hf.distributed.mesh import strided_shard_indices, strided_shard_positions
+
+    for rank in range(num_chunks):
+        runs = strided_shard_positions(size, split_factor, num_chunks, rank)
+        assert [i for a, b in runs for i in range(a, b)] == strided_shard_indices(size, split_factor, num_chunks, rank)
