@@ -19,8 +19,9 @@ stored once as fp32 and once as bf16, both loaded as bf16:
 - **memory**: peak host RssAnon and VmHWM above the post-import baseline (sampled by this process) and
   ``torch.cuda.max_memory_allocated``, each per byte of the loaded model.
 
-``--wheels DIR`` (the GPU machine has no registry and an older transformers): installs DIR's wheels
-(``gpu_wheels.sh`` builds them) into a folder under the workdir and runs the children with it first on their path.
+``--wheels DIR`` (the GPU machine has no registry and an older transformers): unpacks DIR's wheels
+(``gpu_wheels.sh`` builds them) into a folder under the workdir and runs again, this process and its children, with
+that folder first on the path (no pip needed: a wheel is a zip of its files).
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-
-from checkpoints import drop_page_cache, make_llama_checkpoint, prewarm_page_cache  # noqa: E402
-from measure import boost_sampler_priority, run_child  # noqa: E402
+# checkpoints and measure (which imports lowmem_hf) are imported in main, after --wheels has put the carried
+# transformers first on the path: the machine's own may be older than lowmem_hf's floor
 
 LOADERS = ("lowmem", "transformers", "safetensors")  # timed, alternating
 VARIANTS = ("lowmem-map", "lowmem-ambient")  # checked for equality once (fp32 case)
@@ -46,16 +46,28 @@ REFERENCE = "transformers"
 
 
 def install_wheels(wheels: Path, workdir: Path) -> Path:
-    """Install ``wheels/*.whl`` (no index, no dependencies) into a folder the children put first on their path."""
+    """Unpack ``wheels/*.whl`` into ``workdir/site`` (once per set of wheels); the folder to put first on the path."""
     target = workdir / "site"
     marker = target / ".installed"
     names = sorted(p.name for p in wheels.glob("*.whl"))
+    if not names:
+        raise SystemExit(f"--wheels {wheels}: no .whl files there (benchmarks/gpu_wheels.sh builds them)")
     if marker.exists() and marker.read_text() == "\n".join(names):
         return target
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target",
-                    str(target), *map(str, sorted(wheels.glob("*.whl")))], check=True, stdout=subprocess.DEVNULL)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        with zipfile.ZipFile(wheels / name) as wheel:
+            wheel.extractall(target)
     marker.write_text("\n".join(names))
     return target
+
+
+def rerun_with(site: Path) -> None:
+    """Run this command again with ``site`` first on the path (once: the second run finds it there)."""
+    if str(site) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        return
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def child_env(site: Path | None) -> dict[str, str]:
@@ -68,6 +80,8 @@ def child_env(site: Path | None) -> dict[str, str]:
 
 def run_one(argv: list[str], env: dict[str, str], timeout_s: float) -> dict:
     """One protocol child, measured; a failed child raises with its stderr tail (the log is ``$GPU_CHECK_LOG``)."""
+    from measure import run_child
+
     log = Path(env["GPU_CHECK_LOG"])
     with open(log, "w") as stderr:
         got = run_child([sys.executable, str(HERE / "_gpu_child.py"), *argv], env=env, stderr=stderr, timeout_s=timeout_s)
@@ -80,6 +94,8 @@ def run_one(argv: list[str], env: dict[str, str], timeout_s: float) -> dict:
 
 
 def load_once(loader: str, path: Path, device: str, cache: str, env: dict, timeout_s: float) -> dict:
+    from checkpoints import drop_page_cache, prewarm_page_cache
+
     drop_page_cache() if cache == "cold" else prewarm_page_cache(path)
     got = run_one(["--loader", loader, "--path", str(path), "--dtype", "bfloat16", "--device", device], env, timeout_s)
     print(f"  [{path.name} {cache} {loader:<14}] {got['load_seconds']:.2f} s, {got['model_bytes'] / 1e9:.2f} GB", flush=True)
@@ -159,6 +175,8 @@ def parse(argv=None):
         args.size_gb, args.repeats, args.cache = 0.05, 1, ["warm"]
     if args.device.startswith("cuda") and ":" not in args.device:
         args.device = "cuda:0"
+    from checkpoints import drop_page_cache
+
     if "cold" in args.cache and not drop_page_cache():
         print("[gpu_check] cannot drop the page cache here (needs root): cold rows skipped", flush=True)
         args.cache = [c for c in args.cache if c != "cold"] or ["warm"]
@@ -170,6 +188,11 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     site = install_wheels(Path(args.wheels).resolve(), workdir) if args.wheels else None
+    if site is not None:
+        rerun_with(site)
+    from checkpoints import make_llama_checkpoint
+    from measure import boost_sampler_priority
+
     env = dict(child_env(site), GPU_CHECK_LOG=str(workdir / "child.log"))
     print(f"[gpu_check] sampler {boost_sampler_priority()}, device {args.device}, {args.size_gb:g} GB fp32", flush=True)
     import torch

@@ -42,3 +42,19 @@ def test_safetensors_is_compared_on_the_checkpoints_tensors_only():
     reference = {"digest": {"w": "1", "rotary.inv_freq": "2"}}
     assert gpu_check.compare_weights({"digest": {"w": "1"}}, reference) == "equal"
     assert gpu_check.compare_weights({"digest": {"w": "5"}}, reference) == "1 differ (e.g. w)"
+
+
+def test_carried_wheels_are_unpacked_once_into_the_folder_put_first_on_the_path(tmp_path):
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("carried/__init__.py", "VERSION = '1.0'\n")
+        wheel.writestr("carried-1.0.dist-info/METADATA", "Name: carried\nVersion: 1.0\n")
+    site = gpu_check.install_wheels(wheels, tmp_path / "work")
+    assert (site / "carried" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    assert (site / "carried-1.0.dist-info" / "METADATA").exists()
+    (site / "carried" / "__init__.py").write_text("changed")
+    assert gpu_check.install_wheels(wheels, tmp_path / "work") == site  # the same wheels: not unpacked again
+    assert (site / "carried" / "__init__.py").read_text() == "changed"
