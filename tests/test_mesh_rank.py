@@ -26,6 +26,7 @@ FAMILIES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=256, tie_word_embeddings=False, **_SMALL)),
     # FSDP2 shards unevenly (torch.chunk) where a dim does not divide: 257 rows over 4 ranks
     "llama_uneven": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=257, tie_word_embeddings=False, **_SMALL)),
+    "qwen2_tied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=256, tie_word_embeddings=True, **_SMALL)),
     "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(vocab_size=256, use_bias=True, **_SMALL)),
 }
 MESHES = {"tp2xfsdp2": dict(tp_size=2, fsdp_size=2), "hsdp2x2": dict(dp_replicate_size=2, fsdp_size=2), "fsdp4": dict(fsdp_size=4)}
