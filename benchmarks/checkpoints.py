@@ -238,6 +238,69 @@ def make_bin_twin(safetensors_dir, out_dir) -> Path:
     return out
 
 
+# Real models' shapes (their config.json values), for checkpoints with real headers and no data (sparse files).
+REAL_SHAPES = {
+    "llama3.2-1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
+    "llama3-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False),
+    "llama3-70b": dict(hidden=8192, inter=28672, layers=80, heads=64, kv_heads=8, vocab=128256, tied=False),
+    "llama3.1-405b": dict(hidden=16384, inter=53248, layers=126, heads=128, kv_heads=8, vocab=128256, tied=False),
+}
+SPARSE_SHARD_BYTES = 5_000_000_000  # the Hub's usual shard size for these models
+
+
+def make_sparse_llama(workdir, name: str, dtype=None, *, shard_bytes: int = SPARSE_SHARD_BYTES) -> Path:
+    """A checkpoint of ``REAL_SHAPES[name]`` whose headers are real and whose data are holes (reads give zeros).
+
+    Each shard is its safetensors header followed by a ``truncate`` to the full size: a 141 GB Llama-3-70B costs a
+    few hundred KB of disk, and a planner or a loader reads it like the real one (tensor names, shapes, dtypes and
+    offsets as transformers' ``save_pretrained`` lays them out, in ``shard_bytes`` shards). Cached in
+    ``workdir/sparse-<name>-<dtype>`` behind a marker.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowmem_hf.formats.safetensors import encode_header
+
+    dtype = dtype or torch.bfloat16
+    dims = REAL_SHAPES[name]
+    out = Path(workdir) / f"sparse-{name}-{_dtype_name(dtype)}"
+    want = {"version": GENERATOR_VERSION, "sparse": name, "dims": dims, "dtype": _dtype_name(dtype), "shard_bytes": shard_bytes}
+    marker = _read_marker(out)
+    if marker is not None and all(marker.get(k) == v for k, v in want.items()):
+        return out
+    _fresh_dir(out)
+    config = LlamaConfig(
+        hidden_size=dims["hidden"], intermediate_size=dims["inter"], num_hidden_layers=dims["layers"],
+        num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], vocab_size=dims["vocab"],
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=dims["tied"], dtype=dtype,
+    )
+    with torch.device("meta"):
+        params = [(k, tuple(p.shape)) for k, p in LlamaForCausalLM(config).named_parameters()]
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for key, shape in params:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, dtype, shape))
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, items in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        header = encode_header(items, {"format": "pt"})
+        data = sum(math.prod(shape) * dt.itemsize for _, dt, shape in items)
+        with open(out / fname, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + data)  # the data section is a hole
+        weight_map.update({key: fname for key, _, _ in items})
+        total += data
+    config.save_pretrained(out)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / MARKER).write_text(json.dumps(dict(want, total_size=total, n_tensors=len(params), n_shards=len(shards)), indent=1))
+    return out
+
+
 def prewarm_page_cache(path) -> int:
     """Read every file of a checkpoint once so all loaders start from a warm page cache."""
     n = 0
@@ -267,8 +330,12 @@ if __name__ == "__main__":
     parser.add_argument("--size-gb", type=float, default=2.0, help="size in fp32, 1 GB = 1e9 bytes")
     parser.add_argument("--dtype", default="float32", help="the stored dtype (float32, bfloat16, ...)")
     parser.add_argument("--workdir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "_work"))
+    parser.add_argument("--sparse", choices=sorted(REAL_SHAPES), help="a real model's shape with holes for data instead")
     args = parser.parse_args()
 
     import torch
 
-    print(make_llama_checkpoint(args.workdir, args.size_gb, getattr(torch, args.dtype)))
+    if args.sparse:
+        print(make_sparse_llama(args.workdir, args.sparse, getattr(torch, args.dtype)))
+    else:
+        print(make_llama_checkpoint(args.workdir, args.size_gb, getattr(torch, args.dtype)))

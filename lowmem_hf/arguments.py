@@ -151,7 +151,9 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("device_mesh", "tp.device_mesh", "distributed",
              "a 1-D tp mesh (its size must equal ``tp_size``), or an n-D mesh over every rank whose dims are named from "
              "``(\"dp_replicate\", \"fsdp\", \"tp\")`` in that order; its sizes become (or must agree with) "
-             "``distributed_config``'s."),
+             "``distributed_config``'s. Without a group, ``lowmem_hf.distributed.MeshRank(rank, tp_size, fsdp_size, "
+             "dp_replicate_size)``: load only the shards that rank of such a mesh holds, as plain tensors (a dry run or "
+             "one rank's share of a large job, tested against transformers' own placements)."),
     Argument("distributed_config", "tp.distributed_config", "distributed",
              "transformers' ``DistributedConfig(tp_size, fsdp_size, dp_replicate_size, fsdp_plan, fsdp_cpu_offload, "
              "fsdp_mixed_precision)`` (or a dict of its fields): the model is sharded by transformers' own engine (TP, "

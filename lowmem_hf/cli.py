@@ -1,6 +1,6 @@
 """``lowmem-hf``: plan a load, measure one against transformers, or run an unchanged script with the switch on.
 
-    lowmem-hf plan MODEL [--tp-size N] [--json] ...      what every rank will read, download and hold; no tensor read
+    lowmem-hf plan MODEL [--tp-size N] [--fsdp-size F] [--json] ...   what every rank will read, download and hold; no tensor read
     lowmem-hf load MODEL [--compare-transformers] [--plot FILE] ...   a measured load in a fresh process (also under torchrun)
     lowmem-hf run SCRIPT [ARGS...]                       every from_pretrained of SCRIPT through lowmem_hf
     lowmem-hf demo [--workdir DIR]                       build a small sharded Llama offline, load it, print the report
@@ -83,8 +83,9 @@ def _auto_class(name: str):
     return cls._auto_class
 
 
-def _prepare(args, *, tp_rank: int):
-    """``prepare`` one rank's load without a process group; bad input becomes a UsageError."""
+def _prepare(args, *, tp_rank: int, mesh_rank: int | None = None):
+    """``prepare`` one rank's load without a process group (``mesh_rank``: of the FSDP/HSDP mesh ``args`` describe);
+    bad input becomes a UsageError."""
     from .errors import LowMemError
     from .load import prepare
     from .request import make_request
@@ -92,6 +93,11 @@ def _prepare(args, *, tp_rank: int):
     if args.tp_size < 1:
         raise UsageError(f"--tp-size must be at least 1, got {args.tp_size}")
     tp = {"tp_plan": "auto", "tp_rank": tp_rank, "tp_size": args.tp_size} if args.tp_size > 1 else {}
+    if mesh_rank is not None:
+        from .distributed.mesh_rank import MeshRank
+
+        tp = {"device_mesh": MeshRank(rank=mesh_rank, tp_size=args.tp_size, fsdp_size=args.fsdp_size,
+                                      dp_replicate_size=args.dp_replicate_size)}
     try:
         return prepare(make_request(
             _auto_class(args.auto_class), args.model, torch_dtype=args.dtype, dtype_policy=args.dtype_policy,
@@ -106,14 +112,28 @@ def _prepare(args, *, tp_rank: int):
 
 def _plan_parser(p: argparse.ArgumentParser) -> None:
     _model_options(p)
+    p.add_argument("--fsdp-size", type=int, default=1, help="plan the ranks of a TP x FSDP2 mesh (no group needed)")
+    p.add_argument("--dp-replicate-size", type=int, default=1, help="HSDP replicas of that mesh")
+    p.add_argument("--rank", type=int, help="plan only this rank of the mesh")
 
 
 def _plan(args) -> int:
-    estimates = [_prepare(args, tp_rank=r).estimate() for r in range(args.tp_size)]
+    for name in ("fsdp_size", "dp_replicate_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    mesh = args.fsdp_size * args.dp_replicate_size > 1
+    world = args.tp_size * args.fsdp_size * args.dp_replicate_size
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise UsageError(f"--rank {args.rank} is not a rank of a world of {world}; ranks are 0..{world - 1}")
+    ranks = range(world) if args.rank is None else [args.rank]
+    estimates = [
+        _prepare(args, tp_rank=r % args.tp_size, mesh_rank=r if mesh else None).estimate() for r in ranks
+    ]
+    sizes = {"tp_size": args.tp_size, "fsdp_size": args.fsdp_size, "dp_replicate_size": args.dp_replicate_size}
     if args.json:
-        print(json.dumps({"model": args.model, "tp_size": args.tp_size, "ranks": [e.to_json() for e in estimates]}, indent=2))
+        print(json.dumps({"model": args.model, **sizes, "ranks": [e.to_json() for e in estimates]}, indent=2))
         return 0
-    print(f"plan for {args.model} (tp_size {args.tp_size}); no tensor was read")
+    print(f"plan for {args.model} ({', '.join(f'{k} {v}' for k, v in sizes.items())}); no tensor was read")
     for e in estimates:
         print(
             f"rank {e.rank}: {len(e.files)} file(s), read {e.bytes_to_read / _MIB:.1f} MiB, download "

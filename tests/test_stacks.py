@@ -102,3 +102,20 @@ def test_the_floor_of_torch_is_no_higher_than_the_gpu_machine_s_release():
     # torch 2.11 is what the project's GPU machine and GPU base images of a few months ago carry
     torch_floor = Version(_floor(next(r for r in declared_dependencies() if r.name == "torch")))
     assert torch_floor <= Version("2.11")
+
+
+def test_a_status_round_reads_every_rank_s_key_in_one_round_trip_where_the_store_can():
+    store = dist.HashStore()
+    for r in range(4):
+        store.set(f"round/{r}", f"s{r}")
+    keys = [f"round/{r}" for r in range(4)]
+    assert torch_api.store_values(store, keys) == [b"s0", b"s1", b"s2", b"s3"]
+
+    class KeyByKey:  # a store without multi_get (an older or a Python store): the same values, one get each
+        gets = 0
+
+        def get(self, key):
+            KeyByKey.gets += 1
+            return store.get(key)
+
+    assert torch_api.store_values(KeyByKey(), keys) == [b"s0", b"s1", b"s2", b"s3"] and KeyByKey.gets == 4

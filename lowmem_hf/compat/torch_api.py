@@ -21,6 +21,7 @@ __all__ = [
     "put_parameter",
     "put_buffer",
     "default_store",
+    "store_values",
     "hf_rank_shard",
 ]
 
@@ -80,6 +81,19 @@ def default_store() -> Any:
             found=f"torch {torch.__version__}", fix="load with fetch='files' (every rank downloads the files it reads)",
         )
     return getter()
+
+
+def store_values(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` in ``store``, in one round trip where the release has ``Store.multi_get``.
+
+    A status round reads every rank's key: one ``get`` each made every rank's round cost grow with the world (a
+    16-rank job: 16 round trips per rank, 256 per round for the job); ``multi_get`` is one per rank. A store
+    without it (a release or a Python store that lacks it) is read key by key.
+    """
+    many = getattr(store, "multi_get", None)
+    if many is not None:
+        return list(many(keys))
+    return [store.get(k) for k in keys]
 
 
 def hf_rank_shard(rank: int, offsets: dict[str, list[int]]) -> tuple[str, dict[str, str]]:

@@ -2,7 +2,7 @@
 
 - ``engine``: what an engine is (``Engine``) and the single-device default;
 - ``tp``: tensor parallelism, and meshes beyond it, through transformers' own engine (``mesh``: the mesh set-up
-  and what each rank holds of a DTensor);
+  and what each rank holds of a DTensor; ``mesh_rank``: one rank of a mesh planned or loaded with no group);
 - ``zero3``: DeepSpeed ZeRO-3 partitions.
 
 ``engine_for`` picks one engine per load, from the table ``ENGINES``: a new engine is a module and a row there.
@@ -14,10 +14,11 @@ from typing import Any
 
 from .engine import Engine, SingleDevice
 from .mesh import local_intervals, strided_shard_indices
+from .mesh_rank import MeshRank
 from .tp import TensorParallel
 from .zero3 import ZeroStage3
 
-__all__ = ["ENGINES", "Engine", "SingleDevice", "engine_for", "local_intervals", "strided_shard_indices"]
+__all__ = ["ENGINES", "Engine", "MeshRank", "SingleDevice", "engine_for", "local_intervals", "strided_shard_indices"]
 
 ENGINES = (ZeroStage3, TensorParallel)
 """The engines in the order they are asked; the first whose ``claim`` returns one loads the model. ZeRO-3 comes

@@ -170,14 +170,14 @@ def local_intervals(
     """This mesh coordinate's index set of every tensor dim, as sorted ``(start, stop)`` runs.
 
     Applies the placements left to right as DTensor does (torch's ``compute_local_shape_and_global_offset``), each
-    ``Shard`` (torch's public ``Shard.local_shard_size_and_offset``) or strided shard (``strided_shard_indices``)
-    selecting a subset of the indices the previous mesh dims left; ``Replicate`` keeps all. A strided shard (TP and
+    ``Shard`` (torch's public ``Shard.local_shard_size_and_offset``) or strided shard (``strided_shard_indices``, as
+    runs: ``strided_shard_positions``) selecting a subset of the indices the previous mesh dims left; ``Replicate`` keeps all. A strided shard (TP and
     FSDP sharding the same dim) gives several runs. Row-major order of the indices is the local tensor's order.
 
     Raises:
         NotImplementedError: a ``Partial`` placement (never produced for parameters).
     """
-    indices: list[Any] = [range(n) for n in shape]
+    runs: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in shape]
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
@@ -185,14 +185,49 @@ def local_intervals(
         if split_factor is None and not isinstance(placement, Shard):
             raise NotImplementedError(f"placement {placement} on mesh dim {mesh_dim} cannot be read from a checkpoint slice")
         dim = placement.dim % len(shape)
-        current = indices[dim]
+        length = sum(b - a for a, b in runs[dim])
         if split_factor is not None:
-            picked = strided_shard_indices(len(current), split_factor, mesh_shape[mesh_dim], coordinate[mesh_dim])
-            indices[dim] = [current[i] for i in picked]
+            positions = strided_shard_positions(length, split_factor, mesh_shape[mesh_dim], coordinate[mesh_dim])
         else:
-            size, offset = Shard.local_shard_size_and_offset(len(current), mesh_shape[mesh_dim], coordinate[mesh_dim])
-            indices[dim] = current[offset : offset + size]
-    return tuple(_runs(ix) for ix in indices)
+            size, offset = Shard.local_shard_size_and_offset(length, mesh_shape[mesh_dim], coordinate[mesh_dim])
+            positions = [(offset, offset + size)]
+        runs[dim] = [run for start, stop in positions for run in _take(runs[dim], start, stop)]
+    return tuple(_merged(r) for r in runs)
+
+
+def _take(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions ``[start, stop)`` of the indices ``runs`` list, in order, as runs: O(runs), not O(indices), so a
+    405B model's 53248-row dims cost as little to plan as a small model's."""
+    taken, position = [], 0
+    for a, b in runs:
+        lo, hi = max(start, position), min(stop, position + b - a)
+        if lo < hi:
+            taken.append((a + lo - position, a + hi - position))
+        position += b - a
+    return taken
+
+
+def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for a, b in runs:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        elif b > a:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def strided_shard_positions(size: int, split_factor: int, num_chunks: int, rank: int) -> list[tuple[int, int]]:
+    """``strided_shard_indices`` as ``(start, stop)`` runs: the same cuts, one run per piece."""
+    positions = []
+    piece = -(-size // split_factor)
+    for p in range(split_factor):
+        start, stop = min(piece * p, size), min(piece * (p + 1), size)
+        chunk = -(-(stop - start) // num_chunks)
+        lo, hi = start + min(chunk * rank, stop - start), start + min(chunk * (rank + 1), stop - start)
+        if lo < hi:
+            positions.append((lo, hi))
+    return positions
 
 
 def strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: int) -> list[int]:
@@ -211,18 +246,6 @@ def strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: i
         chunk = -(-(stop - start) // num_chunks)
         picked.extend(range(start + min(chunk * rank, stop - start), start + min(chunk * (rank + 1), stop - start)))
     return picked
-
-
-def _runs(ix: Any) -> tuple[tuple[int, int], ...]:
-    if isinstance(ix, range):
-        return ((ix.start, ix.stop),) if len(ix) else ()
-    runs: list[list[int]] = []
-    for i in ix:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return tuple((a, b) for a, b in runs)
 
 
 def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | None = None) -> dict[str, ShardSpec]:

@@ -9,7 +9,8 @@ Two modes:
   Under torchrun with no group yet, ``prepare_distribute_model`` initializes one exactly as
   ``transformers.from_pretrained(tp_plan=...)`` does; lowmem_hf never initializes one otherwise.
 - **local** (``tp_rank`` and ``tp_size`` given, no process group): rank ``tp_rank``'s slices are loaded
-  as plain tensors, with no TP forward; ``LoadReport.shards`` says how each parameter is sliced.
+  as plain tensors, with no TP forward; ``LoadReport.shards`` says how each parameter is sliced. A
+  ``device_mesh=MeshRank(...)`` (``mesh_rank.py``) does the same for one rank of a TP x FSDP2 x HSDP mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..types import ShardSpec
 from .engine import Engine
 from .group import current_group, world_size
 from .mesh import set_up_mesh, specs_from_placements
+from .mesh_rank import MeshRank, mesh_rank_specs
 
 __all__ = ["TPRequest", "request_tp", "plan_shards", "distribute", "TensorParallel"]
 
@@ -41,6 +43,8 @@ class TPRequest:
     """True: DTensors on a mesh with transformers' TP forward. False: plain local slices."""
     distributed_config: Any = None
     mesh_manager: Any = None
+    mesh_rank: MeshRank | None = None
+    """Without a group: the one rank of a mesh whose shards are loaded (``device_mesh=MeshRank(...)``)."""
 
 
 def request_tp(
@@ -56,6 +60,8 @@ def request_tp(
     """
     if tp_plan is None and tp_size is None and tp_rank is None and device_mesh is None and distributed_config is None:
         return None
+    if isinstance(device_mesh, MeshRank):
+        return _request_mesh_rank(tp_plan, tp_size, tp_rank, device_mesh, distributed_config)
     if distributed_config is not None or (device_mesh is not None and device_mesh.ndim > 1):
         return _request_on_mesh(model_class, tp_plan, tp_size, tp_rank, device_mesh, distributed_config)
     plan = "auto" if tp_plan is None else tp_plan
@@ -118,6 +124,22 @@ def _request_on_mesh(
     )
 
 
+def _request_mesh_rank(tp_plan: Any, tp_size: Any, tp_rank: Any, mesh: MeshRank, distributed_config: Any) -> TPRequest:
+    """One rank of a mesh, alone: no group may exist, and the TP arguments, if given, must agree with the mesh."""
+    if current_group() is not None:
+        raise ValueError(
+            f"device_mesh={mesh} describes one rank for a process with no group, but a group is initialized; pass "
+            "distributed_config (or a DeviceMesh) and let each rank load its own shards."
+        )
+    for name, given, wanted in (("tp_size", tp_size, mesh.tp_size), ("tp_rank", tp_rank, mesh.tp_rank)):
+        if given is not None and given != wanted:
+            raise ValueError(f"{name}={given} but device_mesh={mesh} has {name} {wanted}; pass only the MeshRank.")
+    if distributed_config is not None:
+        raise ValueError(f"device_mesh={mesh} already gives the mesh's sizes; drop distributed_config.")
+    plan = "auto" if tp_plan is None else tp_plan
+    return TPRequest(plan=plan, tp_size=mesh.tp_size, tp_rank=mesh.tp_rank, distributed=False, mesh_rank=mesh)
+
+
 def plan_shards(model: Any, request: TPRequest) -> tuple[dict[str, ShardSpec], dict[str, str]]:
     """This rank's slice of every sharded parameter, from transformers' resolved plan; validated, no I/O.
 
@@ -164,17 +186,26 @@ class TensorParallel(Engine):
 
     @property
     def rank(self) -> int:
-        return self.tp.tp_rank
+        return self.tp.mesh_rank.rank if self.tp.mesh_rank is not None else self.tp.tp_rank
 
     def shard(self, model_class: type, model: Any) -> tuple[Any, dict[str, ShardSpec]]:
         if self.tp.distributed:
             return distribute(model_class, model, self.tp)
         shards, _ = plan_shards(model, self.tp)
+        if self.tp.mesh_rank is not None:
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            shards = mesh_rank_specs(shapes, shards, self.tp.mesh_rank)
         return model, shards
 
     def notes(self) -> list[str]:
         if self.tp.distributed:
             return []
+        if self.tp.mesh_rank is not None:
+            return [
+                f"Loaded only the shards rank {self.tp.mesh_rank.rank} of a {self.tp.mesh_rank} mesh holds, as plain "
+                "tensors (no process group): no TP forward and no FSDP2 wrapping; LoadReport.shards says how each "
+                "parameter is sliced."
+            ]
         return [
             f"Loaded only rank {self.tp.tp_rank} of {self.tp.tp_size}'s slices as plain tensors (no process "
             "group): the model's forward is NOT tensor-parallel and will fail or be wrong until a TP engine "

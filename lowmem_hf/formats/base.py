@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..runs import chunk_runs, element_runs
+from ..runs import chunk_runs, element_extent, element_runs
 from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
 
@@ -125,12 +125,10 @@ class RangeReader(Reader):
 
     def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
         """Announce the bytes this tensor (slice) will need, so a cold file is read ahead of the workers."""
-        runs = element_runs(info.shape, shard)
-        if not runs:
+        first, last, needed = element_extent(info.shape, shard)
+        if not needed:
             return
         itemsize = info.dtype.itemsize
-        first, last = runs[0][0], runs[-1][0] + runs[-1][1]
-        needed = sum(n for _, n in runs)
         if needed * 2 >= last - first:  # dense enough that reading the gaps too costs less than it saves
             self._source.will_need(info.file, info.offset + first * itemsize, info.offset + last * itemsize)
 

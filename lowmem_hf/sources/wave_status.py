@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..compat.torch_api import default_store
+from ..compat.torch_api import default_store, store_values
 from ..distributed.group import Failure, failure_error, from_rank_zero
 from ..errors import RankFailedError, RemoteFileChangedError
 
@@ -58,7 +58,7 @@ class WaveStatuses:
                 f"cooperative fetch, {what}: rank(s) {missing} posted no status within {self._timeout_s:.0f} s "
                 f"(died or hung); the load is aborted on every rank. ({error})"
             ) from error
-        statuses = {r: self._store.get(key + str(r)).decode() for r in range(self._world)}
+        statuses = {r: value.decode() for r, value in enumerate(store_values(self._store, keys))}
         failed = [(r, _failure(s)) for r, s in sorted(statuses.items()) if s != "ok"]
         if failed:
             raise failure_error(failed, context=f"cooperative fetch, {what}")

@@ -1,0 +1,60 @@
+"""``benchmarks/gpu_check.py`` is the one command the GPU machine runs; its CPU mode runs here so that it cannot rot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def test_gpu_check_on_the_cpu_prints_one_table_of_equal_loads(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--device", "cpu", "--small",
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| case | loader | cache | to usable |")
+    rows = [line.split(" | ") for line in table[2:]]
+    loaders = {(r[0].lstrip("| "), r[1]) for r in rows}
+    for case in ("fp32 -> bf16", "bf16 -> bf16"):
+        assert {(case, "lowmem"), (case, "transformers"), (case, "safetensors")} <= loaders
+    assert {("fp32 -> bf16", "lowmem-map"), ("fp32 -> bf16", "lowmem-ambient")} <= loaders
+    assert all(r[-1].rstrip(" |") in ("equal", "reference") for r in rows), table
+    assert "INEQUALITY" not in proc.stdout
+
+
+def test_a_changed_tensor_is_an_inequality_that_names_it():
+    reference = {"digest": {"a": "1", "b": "2", "c": "3"}}
+    assert gpu_check.compare({"digest": {"a": "1", "b": "2", "c": "3"}}, reference) == "equal"
+    verdict = gpu_check.compare({"digest": {"a": "1", "b": "9", "d": "4"}}, reference)
+    assert verdict == "1 missing (e.g. c); 1 not in transformers' (e.g. d); 1 differ (e.g. b)"
+
+
+def test_safetensors_is_compared_on_the_checkpoints_tensors_only():
+    reference = {"digest": {"w": "1", "rotary.inv_freq": "2"}}
+    assert gpu_check.compare_weights({"digest": {"w": "1"}}, reference) == "equal"
+    assert gpu_check.compare_weights({"digest": {"w": "5"}}, reference) == "1 differ (e.g. w)"
+
+
+def test_carried_wheels_are_unpacked_once_into_the_folder_put_first_on_the_path(tmp_path):
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("carried/__init__.py", "VERSION = '1.0'\n")
+        wheel.writestr("carried-1.0.dist-info/METADATA", "Name: carried\nVersion: 1.0\n")
+    site = gpu_check.install_wheels(wheels, tmp_path / "work")
+    assert (site / "carried" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    assert (site / "carried-1.0.dist-info" / "METADATA").exists()
+    (site / "carried" / "__init__.py").write_text("changed")
+    assert gpu_check.install_wheels(wheels, tmp_path / "work") == site  # the same wheels: not unpacked again
+    assert (site / "carried" / "__init__.py").read_text() == "changed"
