@@ -110,41 +110,26 @@ def main() -> int:
 
 
 def bare(path: str, dtype) -> int:
-    """Read and convert every tensor of the checkpoint at ``path`` (the ``bare`` reference), then report."""
+    """Read and convert every tensor of the checkpoint at ``path`` (the ``bare`` reference), then report: the same
+    work as ``lowmem-hf load --compare-transformers``' bare row."""
     import glob
-    from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-    from safetensors import safe_open
-
-    def convert(t):
-        return torch.empty(t.shape, dtype=dtype).copy_(t)  # a copy even when the dtype does not change
+    from lowmem_hf.measured_load import read_and_convert
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
     say("READY")
     wait_for_parent("go")
     t0 = time.perf_counter()
-    handles, futures = [], []
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        for file in files:
-            if file.endswith(".safetensors"):
-                handle = safe_open(file, framework="pt")
-                handles.append(handle)
-                futures += [pool.submit(lambda h, k: convert(h.get_tensor(k)), handle, k) for k in handle.keys()]
-            else:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                futures += [pool.submit(convert, t) for t in state.values()]
-        tensors = [f.result() for f in futures]
+    nbytes, tensors = read_and_convert(files, dtype)
     t_load = time.perf_counter()
     say("LOADED")
     wait_for_parent("go")
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     result = {"load_seconds": t_load - t0, "forward_seconds": None, "write_seconds": None, "model_bytes": nbytes,
               "logits_finite": True, "notes": [], "mapped_bytes": None}
     say("RESULT " + json.dumps(result))
     wait_for_parent("exit")
+    del tensors
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -281,7 +281,7 @@ def bare_files_supported(files: Sequence[str]) -> bool:
     return bool(files) and all(f.endswith((".safetensors", ".bin")) for f in files)
 
 
-def _bare(files: Sequence[str], dtype) -> tuple[int, list[Any]]:
+def read_and_convert(files: Sequence[str], dtype) -> tuple[int, list[Any]]:
     """Every tensor of ``files`` read and converted into fresh memory of ``dtype`` (None: its stored dtype), on as many
     threads as there are cores, and nothing else: the bytes any load of the request must read and write. Returns the
     bytes held and the tensors (kept alive until the parent has sampled the peak)."""
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     rchar = _rchar()
     start = time.perf_counter()
     if args.loader == "bare":
-        model_bytes, model = _bare(args.files, None if args.dtype == "auto" else dtype)
+        model_bytes, model = read_and_convert(args.files, None if args.dtype == "auto" else dtype)
         report, info = None, {"missing_keys": [], "unexpected_keys": []}
     elif args.loader == "lowmem":
         model, report = getattr(lowmem_hf, "LowMem" + args.auto_class).from_pretrained(
