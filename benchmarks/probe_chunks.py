@@ -5,7 +5,7 @@
 
 Loads the checkpoint in DIR as bf16 in this one process, transformers then lowmem_hf at each ``chunk_bytes``,
 alternating within each repeat, and prints each loader's median time to ``from_pretrained`` return and its ratio
-to transformers, with where the CPU went (``getrusage``: user and kernel seconds, minor page faults; a fault per
+to transformers, lowmem_hf's stages (``LoadReport.stage_seconds``), and where the CPU went (``getrusage``: user and kernel seconds, minor page faults; a fault per
 4 KiB page of fresh memory is the kernel's share of a converted load). A probe, not a benchmark: no memory is sampled and the loads share one process (the model's
 module is imported before the first clock). ``bench_shapes.py`` is the measurement; this says which knob moves
 it. Note that ``chunk_bytes`` is capped by the load so staging stays within 1/128 of the bytes loaded
@@ -36,6 +36,7 @@ def main() -> None:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(args.path))]  # the modeling module, before the clock
     times: dict[str, list[float]] = {}
     usage: dict[str, list[tuple[float, float, int]]] = {}
+    stages: dict[str, list[dict[str, float]]] = {}
 
     def timed(name: str, load) -> None:
         gc.collect()
@@ -45,6 +46,9 @@ def main() -> None:
         after = resource.getrusage(resource.RUSAGE_SELF)
         usage.setdefault(name, []).append(
             (after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
+        report = getattr(model, "lowmem_report", None)
+        if report is not None:
+            stages.setdefault(name, []).append(dict(report.stage_seconds))
         del model
         gc.collect()
 
@@ -59,6 +63,9 @@ def main() -> None:
         user, system, faults = (statistics.median(u[i] for u in usage[name]) for i in range(3))
         print(f"{name:<26} {statistics.median(runs):.3f} s  {statistics.median(runs) / reference:.2f}x  "
               f"user {user:.2f} s  kernel {system:.2f} s  minor faults {faults:.0f}  {[round(t, 2) for t in runs]}")
+        if name in stages:
+            print(f"{'':<26} stages: " + ", ".join(
+                f"{stage} {statistics.median(s[stage] for s in stages[name]):.3f} s" for stage in stages[name][0]))
 
 
 if __name__ == "__main__":

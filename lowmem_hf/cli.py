@@ -49,7 +49,8 @@ def format_report(report) -> str:
         f"missing         {sorted(report.missing_keys) or 'none'}",
         f"unexpected      {sorted(report.unexpected_keys) or 'none'}",
         f"mismatched      {sorted(report.mismatched_keys) or 'none'}",
-        f"wall            {report.wall_seconds:.3f} s",
+        f"wall            {report.wall_seconds:.3f} s ("
+        + ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in report.stage_seconds.items()) + ")",
         f"peak RssAnon    {report.peak_rss_anon_bytes / _MIB:.1f} MiB (whole process)",
         f"VmHWM           {report.peak_vm_hwm_bytes / _MIB:.1f} MiB (whole process)",
     ]

@@ -49,6 +49,9 @@ from .sources.local import cached_fraction
 from .stream import choose_workers, staging_chunk_bytes, stream
 from .types import Checkpoint, CheckpointFormat, DtypeDecision, LoadPlan, LoadReport
 
+STAGES = ("prepare", "fetch", "stream", "finish")
+"""The stages ``LoadReport.stage_seconds`` times, in the order they run."""
+
 __all__ = ["PreparedLoad", "prepare", "execute", "load"]
 
 
@@ -175,6 +178,7 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         IncompleteLoadError: a post-condition failed; the model is never returned half-loaded.
     """
     request, model, checkpoint, plan = prepared.request, prepared.model, prepared.checkpoint, prepared.plan
+    marks = [prepared.started, time.perf_counter()]
 
     # 4. fetch: Hub files into the HF cache, or byte ranges straight into memory (the table in fetch/choose.py)
     source = open_source(checkpoint, plan, FetchOptions(
@@ -189,15 +193,18 @@ def execute(prepared: PreparedLoad) -> tuple[Any, LoadReport]:
         missing_keys=set(model.state_dict()) - mismatched, unexpected_keys=set(plan.unexpected_keys),
         mismatched_keys=set(plan.mismatched_keys),
     )
+    marks.append(time.perf_counter())
     stats, workers, peak_anon = _stream_and_assign(prepared, source, loading_info)
+    marks.append(time.perf_counter())
 
     # 6. finish as transformers does, then prove it
     decisions = _finish(prepared, loading_info, mismatched)
+    marks.append(time.perf_counter())
 
     # 7. report
     report = report_of(
         prepared, model, loading_info=loading_info, decisions=decisions, stats=stats, source=source, workers=workers,
-        peak_anon=peak_anon,
+        peak_anon=peak_anon, stage_seconds={stage: end - begin for stage, begin, end in zip(STAGES, marks, marks[1:])},
     )
     model.lowmem_report = report  # what a script that only speaks transformers' API can still inspect
     log_load(type(model).__name__, request.name_or_path, report)

@@ -35,7 +35,7 @@ def notes_of(prepared: Any, stats: StreamStats) -> tuple[str, ...]:
 
 def report_of(
     prepared: Any, model: Any, *, loading_info: Any, decisions: dict[str, DtypeDecision], stats: StreamStats,
-    source: ByteSource, workers: int, peak_anon: int,
+    source: ByteSource, workers: int, peak_anon: int, stage_seconds: dict[str, float],
 ) -> LoadReport:
     """The report of a finished load (``prepared``: its ``load.PreparedLoad``; ``loading_info``: transformers' keys
     missing, unexpected and mismatched; ``workers``: the reader threads the stream ran; ``peak_anon``: the highest
@@ -65,6 +65,7 @@ def report_of(
         commit=checkpoint.commit,
         mapped_bytes=stats.mapped_bytes,
         gap_bytes=source.gap_bytes_read,
+        stage_seconds=stage_seconds,
         reader_workers=workers,
         chunk_bytes=prepared.stream_chunk_bytes,
         page_cache_fraction=prepared.page_cache_fraction,

@@ -270,6 +270,10 @@ class LoadReport:
     """Hub loads: the commit every file came from."""
     mapped_bytes: int = 0
     """``mmap=True``: bytes of tensors that are copy-on-write views of checkpoint files (not in ``bytes_read``)."""
+    stage_seconds: Mapping[str, float] = field(default_factory=dict)
+    """Where ``wall_seconds`` went, stage by stage: ``prepare`` (resolve, build on meta, plan), ``fetch`` (the byte
+    source opened: Hub files downloaded), ``stream`` (reads, conversion and assignment, submodule by submodule) and
+    ``finish`` (transformers' finishing steps and the post-conditions)."""
     reader_workers: int = 0
     """Reader threads the stream used (chosen from the cores and whether the files were in the page cache)."""
     chunk_bytes: int = 0

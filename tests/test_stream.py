@@ -132,6 +132,14 @@ def test_bin_report_counts_every_tensor_byte(make_checkpoint):
     assert len(report.files_read) == 3
 
 
+def test_the_report_says_where_the_wall_time_went_stage_by_stage(make_checkpoint):
+    _, report = Causal.from_pretrained(make_checkpoint("llama", "sharded"), output_loading_info=True)
+    assert list(report.stage_seconds) == list(load_mod.STAGES) == ["prepare", "fetch", "stream", "finish"]
+    assert all(seconds >= 0 for seconds in report.stage_seconds.values())
+    # the stages are consecutive from prepare's start; the report itself is made after the last one
+    assert sum(report.stage_seconds.values()) <= report.wall_seconds < sum(report.stage_seconds.values()) + 0.5
+
+
 @pytest.mark.parametrize("read_ahead_bytes", [0, 1, 10**9], ids=["one_submodule", "tiny_budget", "everything"])
 @pytest.mark.parametrize("fmt", ["sharded", "bin"])
 def test_read_ahead_is_exact_at_any_budget(make_checkpoint, fmt, read_ahead_bytes):
