@@ -16,7 +16,8 @@ each prefixed with ``PREFIX``, answered by one line on its stdin; other stdout l
 
 ``benchmarks/measure.py`` drives several such children at once (the ranks of a parallel load) with ``Child``.
 The child here is ``python -m lowmem_hf.measured_load --loader lowmem|transformers|bare MODEL ...``; ``bare`` reads
-and converts the weight files named by ``--files`` with no model (the floor a comparison reads both loaders against).
+and converts the weight files named by ``--files`` with the plain libraries and no model (what a comparison
+reads both loaders against).
 """
 
 from __future__ import annotations
