@@ -49,7 +49,7 @@ from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
 from . import ByteSource, ReadPolicy
 from .http import HttpRanges
-from .pieces import Pieces, lay_out_wave
+from .pieces import Pieces, lay_out_wave, wave_buffer
 from .schedule import FETCH_THREADS, Span, default_wave_bytes, rank_runs, schedule_spans, wave_span_bytes
 from .wave_status import WaveStatuses
 
@@ -154,7 +154,7 @@ class CooperativeRanges(ByteSource):
     def _start_fetch(self, index: int) -> None:
         """Submit this rank's span requests of wave ``index`` (into buffers of their own)."""
         mine = [s for s in self._waves[index] if s.owner == self._rank]
-        data = {id(s): torch.empty(s.stop - s.start, dtype=torch.uint8) for s in mine}
+        data = {id(s): wave_buffer(s.stop - s.start) for s in mine}
         submit = self._pool.submit if self._pool is not None else _call_now
         self._fetching[index] = (data, [submit(self._fetch, s, data[id(s)]) for s in mine])
 
