@@ -91,6 +91,9 @@ class CooperativeRanges(ByteSource):
             wave_bytes = default_wave_bytes(span_bytes, self._world)
         self._schedule = schedule_spans(gathered, span_bytes=span_bytes, wave_bytes=wave_bytes)
         self._wave_of, self._waves = self._schedule.wave_of, self._schedule.waves
+        if self._schedule.cuts_submodules:
+            # a submodule's reads advance its waves, each dropping the last: one reader, so no read is left behind
+            self.policy = ReadPolicy(workers=1, read_ahead=False, band_reads=False)
         del gathered
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._next_wave = 0
@@ -115,14 +118,24 @@ class CooperativeRanges(ByteSource):
             self._run_next_wave()
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
-        held = self._held.get(file)
-        if held is None or not held.copy(view, offset):
-            # every rank's submodules come in one model order, so a read always falls in the current wave
-            raise LowMemError(
-                f"{file}: bytes {offset}-{offset + len(view)} are not in cooperative-fetch wave {self._next_wave - 1} "
-                "on this rank; the ranks' plans disagree on the submodules or their order (a lowmem_hf bug: please "
-                "report it)."
-            )
+        done = 0
+        while True:
+            held = self._held.get(file)
+            done += held.copy(view[done:], offset + done) if held is not None else 0
+            if done == len(view):
+                return
+            # the rest comes in a later wave where a submodule is cut into several (``schedule_spans``); every read
+            # before this one is done (one reader thread then), so the current wave can go
+            wave = self._schedule.wave_at(self._rank, file, offset + done, since=self._next_wave)
+            if wave is None:
+                # every rank's submodules come in one model order, so a read always falls in this wave or a later one
+                raise LowMemError(
+                    f"{file}: bytes {offset + done}-{offset + len(view)} are not in cooperative-fetch wave "
+                    f"{self._next_wave - 1} on this rank; the ranks' plans disagree on the submodules or their order "
+                    "(a lowmem_hf bug: please report it)."
+                )
+            while self._next_wave <= wave:
+                self._run_next_wave()
 
     def release(self, file: str) -> None:
         pass  # spans belong to waves, dropped when the next wave starts

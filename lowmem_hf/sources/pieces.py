@@ -94,17 +94,18 @@ class Pieces:
             x[order].tolist() for x in (starts, stops, buffers, positions)
         )
 
-    def copy(self, view: memoryview, offset: int) -> bool:
-        """Fill ``view`` with the bytes from ``offset``; False if some of them are not held."""
+    def copy(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` with the bytes from ``offset``, as far as they are held: the number of bytes filled (from
+        the front; fewer than ``len(view)`` where a byte is not held, e.g. it comes in the next wave)."""
         i = bisect.bisect_right(self._starts, offset) - 1
         done = 0
         while done < len(view):
             pos = offset + done
             if i < 0 or i >= len(self._starts) or not self._starts[i] <= pos < self._stops[i]:
-                return False
+                return done
             take = min(len(view) - done, self._stops[i] - pos)
             at = self._positions[i] + pos - self._starts[i]
             view[done : done + take] = self._buffers[self._buffer_of[i]][at : at + take]
             done += take
             i += 1
-        return True
+        return done
