@@ -126,7 +126,7 @@ def stream(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-            trim_heap()  # the reader threads' malloc arenas
+        trim_heap()  # the reader threads' malloc arenas, or the main one where the reads ran on this thread
         try:
             reader.close()
         finally:

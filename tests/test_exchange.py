@@ -41,8 +41,28 @@ def test_schedule_covers_the_union_once_in_spans_shared_evenly():
     ]  # each byte of the union once ("b" once, not once per rank), no span over 300 bytes
     owned = [sum(s.stop - s.start for s in spans if s.owner == r) for r in (0, 1)]
     assert abs(owned[0] - owned[1]) <= 300
-    small = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1)
-    assert small.wave_of == {"l0": 0, "l1": 1} and len(small.waves) == 2  # one wave per submodule, in plan order
+    small = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1000)
+    # "l0" (4000 bytes, each rank's runs ascending) is cut into waves of 1000; "l1" fits one, in plan order
+    assert small.wave_of == {"l0": 0, "l1": 4} and [sum(s.stop - s.start for s in w) for w in small.waves] == [1000] * 5
+
+
+def test_a_submodule_larger_than_a_wave_is_cut_into_waves_only_where_every_rank_reads_it_in_order():
+    # "emb": one tensor, rank 0 reads the first half, rank 1 the second (a row shard); "mix": rank 1 reads back
+    runs = [
+        [("emb", "a", 0, 2000), ("mix", "b", 0, 1500)],
+        [("emb", "a", 2000, 4000), ("mix", "b", 1000, 1500), ("mix", "b", 0, 1000)],
+    ]
+    schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1000)
+    assert schedule.wave_of == {"emb": 0, "mix": 4} and len(schedule.waves) == 5  # "mix" stays one wave
+    assert schedule.cuts_submodules
+    assert [schedule.wave_at(0, "a", at) for at in (0, 999, 1000, 1999, 2000)] == [0, 0, 1, 1, None]
+    assert [schedule.wave_at(1, "a", at) for at in (2000, 3999)] == [2, 3]
+    assert schedule.wave_at(1, "a", 2000, since=3) is None
+    for rank, (lo, hi) in enumerate([(0, 2000), (2000, 4000)]):  # each wave gives a rank only its own bytes
+        got = [(a, b) for w in range(4) for s in schedule.waves[w] for a, b in zip(*(x.tolist() for x in schedule.pieces(rank, w, s)))]
+        assert sum(b - a for a, b in got) == hi - lo and all(lo <= a < b <= hi for a, b in got)
+    whole = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=10_000)
+    assert not whole.cuts_submodules and len(whole.waves) == 1
 
 
 def test_spans_give_every_fetch_thread_of_every_rank_a_connection_down_to_4_mib():
@@ -90,10 +110,12 @@ def test_the_pieces_of_every_span_are_exactly_the_bytes_each_rank_reads():
                         got[span.file][i] += 1
             want = {f: [0] * 2300 for f in "ab"}
             for sub, f, a, b in runs[rank]:
-                if schedule.wave_of[sub] == w:
-                    for i in range(a, b):
+                for i in range(a, b):
+                    if schedule.wave_at(rank, f, i, since=schedule.wave_of[sub]) == w:
                         want[f][i] = 1
             assert got == want, (rank, w)  # in each wave, each byte the rank reads there once, and nothing else
+        for sub, f, a, b in runs[rank]:  # every byte a submodule reads comes in its first wave or a later one
+            assert all(schedule.wave_at(rank, f, i, since=schedule.wave_of[sub]) is not None for i in range(a, b))
 
 
 def _free_port() -> int:
@@ -123,7 +145,7 @@ def tp3_repo(tmp_path_factory):
                         num_attention_heads=6, num_key_value_heads=3)
 
 
-def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None):
+def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None, wave: int | None = None):
     port, procs = _free_port(), []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
@@ -134,6 +156,8 @@ def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None
                 "--local", str(tp_repo), "--out", str(tmp_path), "--span", str(SPAN)]
         if kill and rank in kill:
             argv += ["--kill-after", str(kill[rank])]
+        if wave is not None:
+            argv += ["--wave", str(wave)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -186,6 +210,21 @@ def test_three_ranks_each_receive_only_the_bytes_their_plan_reads(hub_server, tp
     # of the checkpoint, twice what it reads at tp 3
     assert all(0 < r["received"] <= 1.02 * r["read"] for r in ranks), [(r["received"], r["read"]) for r in ranks]
     assert sum(r["received"] for r in ranks) < 0.8 * checkpoint, ([r["received"] for r in ranks], checkpoint)
+
+
+def test_an_embedding_and_head_cut_into_many_waves_load_identically_and_each_byte_once(hub_server, tp3_repo, tmp_path):
+    # 96 KiB waves: the 1.8 MB embedding and output head come in ~19 waves each, reads straddling their boundaries
+    hub_server.add_repo("org/tp", tp3_repo)
+    hub_server.reset_counters()
+    results = _finish(_launch(hub_server, tp3_repo, tmp_path, 3, wave=96 * 1024), timeout=240)
+    assert all(code == 0 for code, _ in results), "\n".join(err[-3000:] for _, err in results)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(3)]
+    assert all(r["different"] == [] for r in ranks)  # bit-identical to a local load at tp_size=3
+    assert all(r["waves"] > 30 for r in ranks), [r["waves"] for r in ranks]  # whole submodules: fewer than 10
+    files = weight_files(tp3_repo)
+    checkpoint = sum(os.path.getsize(tp3_repo / f) for f in files)
+    assert sum(hub_server.bytes_for("org/tp", f) for f in files) <= 1.02 * checkpoint
+    assert all(0 < r["received"] <= 1.02 * r["read"] for r in ranks), [(r["received"], r["read"]) for r in ranks]
 
 
 def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, tmp_path):

@@ -369,6 +369,32 @@ def test_zero3_partitions_come_from_the_store_and_hold_transformers_values(s3, s
         assert found["differ"] == [] and found["tied_same"] and found["lowmem_partitioned"], (rank, found)
 
 
+def test_a_zero3_trainer_job_from_the_store_trains_as_from_the_local_copy(s3, stored, tmp_path):
+    # transformers alone cannot open s3://: the plain job loads the local copy, the switched one the store's
+    import json
+    import subprocess
+    import sys
+
+    require_client("deepspeed")
+    folder, url = stored("sharded")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "zero3_trainer.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID=s3.key,
+               AWS_SECRET_ACCESS_KEY=s3.secret)
+    runs = {}
+    for what, prefix, model in (("local", [], folder), ("store", ["-m", "lowmem_hf", "run"], url)):
+        (tmp_path / what).mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *prefix,
+                   script, "--model", model, "--output-dir", "out"]
+        proc = subprocess.run(command, env=env, cwd=tmp_path / what, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        runs[what] = [json.loads((tmp_path / what / "out" / f"zero3_train.{r}.json").read_text()) for r in (0, 1)]
+    for local, store in zip(runs["local"], runs["store"]):
+        assert store["lowmem_report"] and not local["lowmem_report"]
+        assert len(local["losses"]) == 5 and store["losses"] == local["losses"]
+        assert store["partitions"] == local["partitions"]  # the trained partitions, bit for bit
+
+
 def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, options: dict, out_dir: str) -> None:
     import json
 

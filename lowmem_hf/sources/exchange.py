@@ -7,10 +7,12 @@ The spans come from the Hub (``HttpRanges``) or from an object store (``objectst
 
 1. Every rank's planned byte runs are all-gathered once (``all_gather_object``), tagged with the submodule
    that needs them. Every rank then computes the same schedule from the same data: the submodules, in plan
-   order, grouped into waves of about ``wave_bytes``; in each wave, the union of all ranks' runs, per file,
+   order, grouped into waves of about ``wave_bytes`` (a larger submodule that every rank reads in ascending order,
+   one tensor such as an embedding, is cut into several waves); in each wave, the union of all ranks' runs, per file,
    cut into spans of at most ``span_bytes``; each span owned by the rank with the fewest bytes so far.
 2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; read-ahead is off
-   for this source, so a wave's buffers are dropped only once every read of the previous wave is done). In a
+   for this source, so a wave's buffers are dropped only once every read of the previous wave is done), and, in
+   a submodule cut into several waves, as its reads reach the next one (``read``; one reader thread then). In a
    wave, each rank fetches its own spans, one Range request each (``HttpRanges``: resume on a cut, checks for a
    changed file); then the ranks post a status to the process group's store and wait for everyone's, with a
    timeout: a rank that died or failed is named on every rank, and a changed file raises
@@ -24,7 +26,8 @@ Memory: this rank's spans of a wave and the pieces it receives (at most its shar
 default 64 MiB, larger only where ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it
 sends while they are in flight (only pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one
 contiguous piece is sent from the span itself), plus this rank's spans of the next wave, whose requests start as soon as this wave's are done:
-the network works on wave k+1 while wave k is exchanged and read.
+the network works on wave k+1 while wave k is exchanged and read. Each buffer is a mapping of its own
+(``pieces.wave_buffer``), given back to the system when its wave is dropped, not kept by malloc.
 The process group's store carries the statuses because a store wait has a timeout and tells which key (rank)
 is missing, where a gloo receive from a dead peer only fails, or hangs until the group's timeout. A rank whose
 exchange fails posts that as its status of the next round (after the last wave, a closing round), so the
@@ -49,7 +52,7 @@ from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
 from . import ByteSource, ReadPolicy
 from .http import HttpRanges
-from .pieces import Pieces, lay_out_wave
+from .pieces import Pieces, lay_out_wave, wave_buffer
 from .schedule import FETCH_THREADS, Span, default_wave_bytes, rank_runs, schedule_spans, wave_span_bytes
 from .wave_status import WaveStatuses
 
@@ -62,8 +65,7 @@ class CooperativeRanges(ByteSource):
     """The byte source of a cooperative fetch (see the module doc): ``read(file, view, offset)`` from the wave."""
 
     # A wave's spans are dropped when the next wave starts: the stream must not run ahead. Reads are copies out of
-    # memory: two threads. A rank holds only the bytes its runs cover, not the other ranks' parts of a row: every
-    # read must be one of its runs (one per row costs no request, unlike HttpRanges' bands).
+    # memory: two threads. A rank holds only the bytes its runs cover: every read is one of its runs (no bands).
     policy = ReadPolicy(workers=2, read_ahead=False, band_reads=False)
 
     def __init__(
@@ -91,6 +93,9 @@ class CooperativeRanges(ByteSource):
             wave_bytes = default_wave_bytes(span_bytes, self._world)
         self._schedule = schedule_spans(gathered, span_bytes=span_bytes, wave_bytes=wave_bytes)
         self._wave_of, self._waves = self._schedule.wave_of, self._schedule.waves
+        if self._schedule.cuts_submodules:
+            # a submodule's reads advance its waves, each dropping the last: one reader, so no read is left behind
+            self.policy = ReadPolicy(workers=1, read_ahead=False, band_reads=False)
         del gathered
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._next_wave = 0
@@ -115,14 +120,19 @@ class CooperativeRanges(ByteSource):
             self._run_next_wave()
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
-        held = self._held.get(file)
-        if held is None or not held.copy(view, offset):
-            # every rank's submodules come in one model order, so a read always falls in the current wave
-            raise LowMemError(
-                f"{file}: bytes {offset}-{offset + len(view)} are not in cooperative-fetch wave {self._next_wave - 1} "
-                "on this rank; the ranks' plans disagree on the submodules or their order (a lowmem_hf bug: please "
-                "report it)."
-            )
+        done = 0
+        while True:
+            held = self._held.get(file)
+            done += held.copy(view[done:], offset + done) if held is not None else 0
+            if done == len(view):
+                return
+            # the rest comes in a later wave where a submodule is cut into several (``schedule_spans``); every read
+            # before this one is done (one reader thread then), so the current wave can go
+            wave = self._schedule.wave_at(self._rank, file, offset + done, since=self._next_wave)
+            if wave is None:
+                raise _not_held(file, offset + done, offset + len(view), self._next_wave - 1)
+            while self._next_wave <= wave:
+                self._run_next_wave()
 
     def release(self, file: str) -> None:
         pass  # spans belong to waves, dropped when the next wave starts
@@ -154,7 +164,7 @@ class CooperativeRanges(ByteSource):
     def _start_fetch(self, index: int) -> None:
         """Submit this rank's span requests of wave ``index`` (into buffers of their own)."""
         mine = [s for s in self._waves[index] if s.owner == self._rank]
-        data = {id(s): torch.empty(s.stop - s.start, dtype=torch.uint8) for s in mine}
+        data = {id(s): wave_buffer(s.stop - s.start) for s in mine}
         submit = self._pool.submit if self._pool is not None else _call_now
         self._fetching[index] = (data, [submit(self._fetch, s, data[id(s)]) for s in mine])
 
@@ -180,13 +190,8 @@ class CooperativeRanges(ByteSource):
         """Send each rank the pieces of this rank's spans it reads, receive this rank's pieces of the others'
         spans; return what this rank holds of the wave, per file."""
         held, receives, sends = lay_out_wave(self._schedule, index, self._rank, self._world, data)
-        works = []
         try:
-            # every receive is posted before any send, so no pair of ranks can wait on each other's receive
-            works += [dist.irecv(t, src=peer, group=self._group, tag=tag) for t, peer, tag in receives]
-            works += [dist.isend(t, dst=peer, group=self._group, tag=tag) for t, peer, tag in sends]
-            for work in works:
-                work.wait()
+            _transfer(receives, sends, self._group)
         except RuntimeError as error:
             # gloo says only that a connection broke, and only to the ranks that exchanged with the dead one: the
             # next round of statuses (every live rank reaches it) names the missing rank everywhere
@@ -206,6 +211,22 @@ class CooperativeRanges(ByteSource):
         with self._lock:
             self.requests += 1
             self.bytes_fetched += span.stop - span.start
+
+
+def _transfer(receives: list, sends: list, group) -> None:
+    """Post every receive, then every send (so no pair of ranks waits on each other's receive); wait for all."""
+    works = [dist.irecv(t, src=peer, group=group, tag=tag) for t, peer, tag in receives]
+    works += [dist.isend(t, dst=peer, group=group, tag=tag) for t, peer, tag in sends]
+    for work in works:
+        work.wait()
+
+
+def _not_held(file: str, start: int, stop: int, wave: int) -> LowMemError:
+    # every rank's submodules come in one model order, so a read always falls in this wave or a later one
+    return LowMemError(
+        f"{file}: bytes {start}-{stop} are not in cooperative-fetch wave {wave} or a later one on this rank; the "
+        "ranks' plans disagree on the submodules or their order (a lowmem_hf bug: please report it)."
+    )
 
 
 def _call_now(fn, *args) -> Future:

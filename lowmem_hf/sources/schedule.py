@@ -110,6 +110,20 @@ class Schedule:
     file_index: dict[str, int]
     """Each file's number in the keys of ``needs``."""
 
+    def wave_at(self, rank: int, file: str, offset: int, *, since: int = 0) -> int | None:
+        """The first wave from ``since`` on in which ``rank`` reads byte ``offset`` of ``file`` (None: none)."""
+        keys, starts, stops = self.needs[rank]
+        n_files, at = len(self.file_index), self.file_index.get(file)
+        if at is None:
+            return None
+        hit = np.flatnonzero((keys % n_files == at) & (keys // n_files >= since) & (starts <= offset) & (offset < stops))
+        return int(keys[hit[0]] // n_files) if len(hit) else None
+
+    @property
+    def cuts_submodules(self) -> bool:
+        """Whether some submodule's bytes come in several waves (its reads then advance the waves)."""
+        return len(self.waves) > len(set(self.wave_of.values()))
+
     def pieces(self, rank: int, wave: int, span: Span) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)``: the parts of ``span`` (of ``wave``) that ``rank`` reads, ascending; what the span's
         owner sends that rank, concatenated in this order."""
@@ -125,8 +139,11 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     """The cooperative schedule every rank computes alike from everyone's runs (a pure function).
 
     Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
-    it holds ``wave_bytes``. A wave's bytes are the union of every rank's runs in it, cut into spans of at most
-    ``span_bytes``, each owned by the rank with the fewest bytes so far.
+    it holds ``wave_bytes``. A submodule larger than ``wave_bytes`` that every rank reads in ascending byte order
+    (one tensor: an embedding, an output head) is cut into several waves of ``wave_bytes``: a rank then holds a
+    wave of it, not all of it (``exchange.py`` advances the waves as its reads reach them). A wave's bytes are the
+    union of every rank's runs in it, cut into spans of at most ``span_bytes``, each owned by the rank with the
+    fewest bytes so far.
     """
     files = sorted({f for runs in runs_by_rank for f in runs.files})
     file_index = {f: i for i, f in enumerate(files)}
@@ -142,25 +159,84 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
         tables.append((sub_map[t[:, 0]], file_map[t[:, 1]], t[:, 2], t[:, 3]))
     sub, file, start, stop = (np.concatenate([t[i] for t in tables]) for i in range(4))
     n_files = max(1, len(files))
-    keys, a, b = _merge(sub * n_files + file, start, stop)
-    size_of = np.bincount(keys // n_files, weights=b - a, minlength=len(subs))  # bytes of each submodule's union
-    wave_of_sub, wave, size = np.zeros(len(subs), dtype=np.int64), 0, 0
-    for i in range(len(subs)):
-        wave_of_sub[i] = wave
-        size += int(size_of[i])
-        if size >= wave_bytes and i + 1 < len(subs):
-            wave, size = wave + 1, 0
-    waves: list[list[Span]] = [[] for _ in range(wave + 1 if len(subs) else 0)]
+    first_wave, cuts, n_waves = _cut_waves(sub, file, start, stop, len(subs), n_files, wave_bytes, _ascending(tables))
+    waved = [_wave_runs(t, first_wave, cuts) for t in tables]  # per rank: (wave, file, start, stop)
+    wave, file, start, stop = (np.concatenate([t[i] for t in waved]) for i in range(4))
+    waves: list[list[Span]] = [[] for _ in range(n_waves)]
     owned = [0] * len(runs_by_rank)
-    for key, lo, hi in zip(*(x.tolist() for x in _merge(wave_of_sub[sub] * n_files + file, start, stop))):
+    for key, lo, hi in zip(*(x.tolist() for x in _merge(wave * n_files + file, start, stop))):
         for at in range(lo, hi, span_bytes):
             owner = min(range(len(owned)), key=lambda r: (owned[r], r))
             end = min(hi, at + span_bytes)
             owned[owner] += end - at
             waves[key // n_files].append(Span(files[key % n_files], at, end, owner))
-    needs = [_merge(wave_of_sub[s] * n_files + f, a_, b_) for s, f, a_, b_ in tables]
-    wave_of = {name: int(wave_of_sub[i]) for name, i in subs.items()}
+    needs = [_merge(w * n_files + f, a_, b_) for w, f, a_, b_ in waved]
+    wave_of = {name: int(first_wave[i]) for name, i in subs.items()}
     return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index)
+
+
+_FILE_SHIFT = 40  # a byte's place in the job: file << 40 | offset (files < 2**40 bytes, fewer than 2**22 files)
+
+
+def _ascending(tables: list[tuple[np.ndarray, ...]]) -> set[int]:
+    """The submodules every rank reads in ascending byte order, each byte once (file, then offset): the ones a
+    rank can read wave after wave, dropping each wave as its reads move on."""
+    bad: set[int] = set()
+    for sub, file, start, stop in tables:
+        at, end = (file << _FILE_SHIFT) + start, (file << _FILE_SHIFT) + stop
+        back = (sub[1:] == sub[:-1]) & (at[1:] < end[:-1])
+        bad.update(sub[1:][back].tolist())
+    return set(np.unique(np.concatenate([t[0] for t in tables])).tolist()) - bad
+
+
+def _cut_waves(sub, file, start, stop, n_subs: int, n_files: int, wave_bytes: int, ascending: set[int]):
+    """``(first_wave, cuts, n_waves)``: each submodule's first wave; for a submodule cut into several, the places
+    (``file << 40 | offset``, ascending) where each of its next waves begins; and the number of waves."""
+    keys, a, b = _merge(sub * n_files + file, start, stop)
+    size_of = np.bincount(keys // n_files, weights=b - a, minlength=n_subs)  # bytes of each submodule's union
+    first_wave, cuts = np.zeros(n_subs, dtype=np.int64), {}
+    wave, size = 0, 0
+    for i in range(n_subs):
+        if size >= wave_bytes:  # closed only when a submodule follows: no empty last wave
+            wave, size = wave + 1, 0
+        first_wave[i] = wave
+        if i not in ascending or size_of[i] <= wave_bytes:
+            size += int(size_of[i])
+            continue
+        mine = keys // n_files == i
+        places = []
+        for lo, hi in zip(((keys[mine] % n_files) << _FILE_SHIFT) + a[mine], ((keys[mine] % n_files) << _FILE_SHIFT) + b[mine]):
+            at = int(lo)
+            while at < hi:
+                if size >= wave_bytes:
+                    wave, size = wave + 1, 0
+                    places.append(at)
+                take = min(int(hi) - at, wave_bytes - size)
+                size, at = size + take, at + take
+        cuts[i] = np.array(places, dtype=np.int64)
+    return first_wave, cuts, wave + 1 if n_subs else 0
+
+
+def _wave_runs(table, first_wave: np.ndarray, cuts: dict[int, np.ndarray]):
+    """One rank's runs as ``(wave, file, start, stop)``: a run of a cut submodule that crosses a cut is split there."""
+    sub, file, start, stop = table
+    wave = first_wave[sub] if len(sub) else np.zeros(0, dtype=np.int64)
+    extra = []  # the pieces of the runs that cross a cut: (wave, file, start, stop)
+    keep = np.ones(len(sub), dtype=bool)
+    for i, places in cuts.items():
+        rows = np.flatnonzero(sub == i)
+        at, end = (file[rows] << _FILE_SHIFT) + start[rows], (file[rows] << _FILE_SHIFT) + stop[rows]
+        first, last = np.searchsorted(places, at, "right"), np.searchsorted(places, end - 1, "right")
+        wave[rows] += first
+        for r, k0, k1 in zip(rows[first != last].tolist(), first[first != last].tolist(), last[first != last].tolist()):
+            base = int(file[r]) << _FILE_SHIFT
+            bounds = [int(start[r]), *(places[k0:k1] - base).tolist(), int(stop[r])]
+            extra += [(int(first_wave[i]) + k0 + k, int(file[r]), bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+            keep[r] = False
+    if not extra:
+        return wave, file, start, stop
+    more = np.array(extra, dtype=np.int64).reshape(-1, 4)
+    return tuple(np.concatenate([x[keep], more[:, j]]) for j, x in enumerate((wave, file, start, stop)))
 
 
 def wave_span_bytes(span_bytes: int, world: int) -> int:

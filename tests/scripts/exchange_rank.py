@@ -1,13 +1,14 @@
 """One rank of a cooperative Hub fetch test (tests/test_exchange.py), as a real process.
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python exchange_rank.py --hub URL --home DIR --repo ID
-        --local DIR --out DIR --span BYTES [--kill-after SECONDS]
+        --local DIR --out DIR --span BYTES [--kill-after SECONDS] [--wave BYTES]
 
 Loads the repo from the hub with ``tp_plan="auto", fetch="ranges"`` into its own HF cache (one "node" per rank),
 checks every local shard against a load of the same folder from disk at the same tp_size, and writes what it saw
 to ``OUT/rank<r>.json``. ``--kill-after`` makes the process die abruptly (``os._exit``) that long after its first
 wave of the exchange began (counted from there, not from start-up, so a loaded machine's slow imports or planning
-cannot make it die before the exchange it is meant to break).
+cannot make it die before the exchange it is meant to break). ``--wave`` sets the wave size (default: the
+library's), and the JSON says how many waves ran.
 """
 
 import argparse
@@ -33,7 +34,18 @@ def main() -> None:
         p.add_argument(name, required=True)
     p.add_argument("--span", type=int, required=True)
     p.add_argument("--kill-after", type=float, default=None)
+    p.add_argument("--wave", type=int, default=None)
     args = p.parse_args()
+    from lowmem_hf.sources import exchange
+
+    waves, run_wave = [], exchange.CooperativeRanges._run_wave
+    def counted(self, index):
+        waves.append(index)
+        return run_wave(self, index)
+
+    exchange.CooperativeRanges._run_wave = counted
+    if args.wave is not None:
+        exchange.default_wave_bytes = lambda span_bytes, world: args.wave
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -67,7 +79,7 @@ def main() -> None:
     different = [n for n, t in model.named_parameters() if not torch.equal(local(t), local(theirs[n]))]
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"different": different, "requests": report.requests, "fetched": report.bytes_fetched,
-                   "received": report.bytes_received, "read": report.bytes_read}, f)
+                   "received": report.bytes_received, "read": report.bytes_read, "waves": len(waves)}, f)
     dist.barrier()
     dist.destroy_process_group()
 
