@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import shutil
-import socketserver
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO / "tests"))  # after HERE: tests/ has its own checkpoints.py
 
 from bench_hub import SHAPES, free_port, make_shaped_checkpoint  # noqa: E402
-from s3_server import start_s3_server, weed_binary  # noqa: E402  (the tests' S3 server)
+from s3_server import serve_on_loopback, start_s3_server, weed_binary  # noqa: E402  (the tests' S3 server)
 
 
 # bench_hub's llama-tp3 widths with 12 heads and 6 KV heads: 1, 2 and 3 ranks all divide what TP shards
@@ -88,13 +87,7 @@ class ShapedProxy:
 
             do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _any
 
-        class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server, self.endpoint = serve_on_loopback(Handler)
 
     def reset(self) -> None:
         self.bytes_sent, self.requests = 0, 0

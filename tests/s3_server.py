@@ -100,6 +100,18 @@ def start_s3_server(binary: str, *, timeout_s: float = 60.0) -> S3Server:
     raise RuntimeError(f"weed mini did not start in {timeout_s} s: {tail}")
 
 
+class _ThreadingServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def serve_on_loopback(handler: type[BaseHTTPRequestHandler]) -> tuple[socketserver.TCPServer, str]:
+    """Serve ``handler`` on a free loopback port from a daemon thread; the server and its ``http://`` endpoint."""
+    server = _ThreadingServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class FaultProxy:
     """A loopback HTTP proxy in front of the S3 server. ``fault(method, path, headers)`` returns None (forward the
     request) or an HTTP status to answer instead (503 with S3's SlowDown body, 500...), -1 to cut the connection, or
@@ -153,13 +165,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _any
 
-        class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server, self.endpoint = serve_on_loopback(Handler)
 
     def close(self) -> None:
         self._server.shutdown()
