@@ -129,6 +129,12 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
     tp_request = request_tp(PreTrainedModel, **vars(request.tp))
     store = pin_stored(request) if is_store_url(request.name_or_path) else None  # listed once, small files mirrored
+    if store is None and request.storage_options is not None:
+        raise ValueError(
+            f"storage_options is for object-store URLs (s3://bucket/prefix, any fsspec URL), but "
+            f"{request.name_or_path!r} is a local folder or a Hub repo id, which never reads it; drop storage_options, "
+            "or pass the checkpoint's store URL."
+        )
     is_hub = store is None and is_hub_repo(request.name_or_path, request.hub.subfolder)
     if not is_hub and store is None:
         reject_adapter(request)

@@ -480,3 +480,9 @@ def test_importing_lowmem_hf_imports_no_object_store_client():
     code = "import sys, lowmem_hf; print(sorted(m for m in ('s3fs', 'aiobotocore', 'boto3') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_storage_options_for_a_path_that_is_not_a_store_is_refused_not_dropped(make_checkpoint):
+    path = make_checkpoint("llama", "sharded")
+    with pytest.raises(ValueError, match=r"storage_options is for object-store URLs .* drop storage_options"):
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(path, storage_options={"anon": True})
