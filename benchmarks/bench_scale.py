@@ -15,7 +15,8 @@ reclaimed before the kernel kills, so only memory a loader holds on to gets it k
 or killed, time, peak RssAnon and VmHWM above the post-import baseline per final byte, major faults, bytes read
 from storage (``read_bytes``) and by read calls (``rchar``).
 
-``--drop-caches`` drops the page cache before each load (root; off by default because the machine is shared; a
+``--limits on off`` (the default) runs every load twice: in a group with that limit, and in one without a limit
+(the same accounting, nothing capped). ``--drop-caches`` drops the page cache before each load (root; off by default because the machine is shared; a
 checkpoint larger than RAM is mostly cold anyway).
 """
 
@@ -56,10 +57,11 @@ def cgroup_limit(final_bytes: int, factor: float, base_mb: float) -> int:
 class MemoryGroup:
     """A cgroup-v1 memory group of its own for one child: created with a limit, the pid added, removed at the end."""
 
-    def __init__(self, name: str, limit: int):
+    def __init__(self, name: str, limit: int | None):
         self.path = CGROUP_ROOT / name
         self.path.mkdir()
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        if limit is not None:  # None: the group only watches (the same load without a limit)
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
         self.limit = limit
 
     def add(self, pid: int) -> None:
@@ -81,7 +83,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load(loader: str, path: Path, ranks: int, limit: int, logdir: Path, tag: str) -> list[dict]:
+def load(loader: str, path: Path, ranks: int, limit: int | None, logdir: Path, tag: str) -> list[dict]:
     """Every rank of one load, each in its own memory group; per rank its measurements, or how it ended."""
     port, procs, groups = free_port(), [], []
     try:
@@ -112,13 +114,14 @@ def load(loader: str, path: Path, ranks: int, limit: int, logdir: Path, tag: str
             g.remove()
 
 
-def row(loader: str, ranks: int, rank: int, got: dict, final: int, limit: int) -> str:
+def row(loader: str, ranks: int, rank: int, got: dict, final: int, limit: int | None) -> str:
+    shown = f"{limit / 2**30:.2f} GiB" if limit is not None else "none"
     if not got.get("ok"):
         when = "during the load" if "'loading'" in str(got.get("error")) else "before the load"
         how = f"killed (OOM {when})" if got.get("oom_kills") else f"failed: {got.get('error')}"
-        return f"| {loader} | {ranks} | {rank} | {limit / 2**30:.2f} GiB | {how} | - | - | - | - | - | - |"
+        return f"| {loader} | {ranks} | {rank} | {shown} | {how} | - | - | - | - | - | - |"
     res = got["result"]
-    return (f"| {loader} | {ranks} | {rank} | {limit / 2**30:.2f} GiB | completed | {res['load_seconds']:.1f} s | "
+    return (f"| {loader} | {ranks} | {rank} | {shown} | completed | {res['load_seconds']:.1f} s | "
             f"{got['peak_rss_anon_above_baseline_kb'] * 1024 / final:.3f}x | {got['vmhwm_above_baseline_kb'] * 1024 / final:.3f}x | "
             f"{res['majflt']} | {res['read_bytes'] / 1e9:.2f} GB | {res['rchar'] / 1e9:.2f} GB |")
 
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loaders", nargs="+", choices=("lowmem", "transformers"), default=["lowmem", "transformers"])
     ap.add_argument("--limit-factor", type=float, default=1.15)
     ap.add_argument("--base-mb", type=float, default=700.0, help="the post-import footprint added to the limit")
+    ap.add_argument("--limits", nargs="+", choices=("on", "off"), default=["on", "off"],
+                    help="with the cgroup's limit, and the same loads in a group without one")
     ap.add_argument("--drop-caches", action="store_true")
     ap.add_argument("--workdir", default="/tmp/scale")
     args = ap.parse_args(argv)
@@ -147,15 +152,16 @@ def main(argv=None) -> int:
     rows, failed = [], False
     for ranks in args.ranks:
         final = bf16_bytes(dims, ranks)
-        limit = cgroup_limit(final, args.limit_factor, args.base_mb)
-        for loader in args.loaders:
-            if args.drop_caches:
-                drop_page_cache()
-            results = load(loader, path, ranks, limit, logdir, f"{loader}-{ranks}r")
-            for rank, got in enumerate(results):
-                rows.append(row(loader, ranks, rank, got, final, limit))
-                print(rows[-1], flush=True)
-                failed |= not got.get("ok") and not got.get("oom_kills")
+        for limited in args.limits:
+            limit = cgroup_limit(final, args.limit_factor, args.base_mb) if limited == "on" else None
+            for loader in args.loaders:
+                if args.drop_caches:
+                    drop_page_cache()
+                results = load(loader, path, ranks, limit, logdir, f"{loader}-{ranks}r-{limited}")
+                for rank, got in enumerate(results):
+                    rows.append(row(loader, ranks, rank, got, final, limit))
+                    print(rows[-1], flush=True)
+                    failed |= not got.get("ok") and not got.get("oom_kills")
     print(f"\n{size / 1e9:.1f} GB fp32 checkpoint -> bf16; limit = {args.limit_factor} x the rank's final bytes + "
           f"{args.base_mb:.0f} MiB; memory per final byte, above the post-import baseline")
     print("| loader | ranks | rank | cgroup limit | outcome | time | RssAnon | VmHWM | major faults | read_bytes | rchar |")
