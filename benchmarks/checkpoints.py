@@ -117,6 +117,11 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
+def _shard_limit_bytes(total: int) -> int:
+    """``_shard_size`` in bytes (transformers reads "500MB" as 500 * 10**6) for a checkpoint of ``total`` bytes."""
+    return 500 * 10**6 if total >= 1e9 else max(1, int(total / 4e6)) * 10**6
+
+
 def _shard_size(model) -> str:
     """500MB shards like real hubs; small test checkpoints get ~4 shards so that they still
     exercise the sharded (index.json) code path."""
@@ -141,6 +146,7 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int
     of ``size_gb`` (the shape sweep's real model widths), cached as ``workdir/llama-<name>-<dtype>``.
     """
     import torch
+    from safetensors.torch import save_file
 
     label = f"{size_gb:g}gb" if dims is None else name
     dims = llama_dims(size_gb) if dims is None else dict(dims)
@@ -165,13 +171,26 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    # Build on meta (no allocation, no slow random init), then allocate uninitialized storage
-    # and fill it ourselves: randn is ~100x faster than transformers' init and deterministic.
+    # Build on meta (no allocation, no slow random init) for the names and shapes, then fill each tensor ourselves
+    # (randn is ~100x faster than transformers' init, and deterministic) and write it into the current shard: one
+    # shard is in memory at a time, so a checkpoint larger than this machine's RAM (bench_scale.py) can be made.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(SEED)
     fingerprints: dict[str, dict] = {"float32": {}, "bfloat16": {}}
+    limit = _shard_limit_bytes(sum(p.numel() * dtype.itemsize for p in model.parameters()))
+    shards: list[list[str]] = [[]]
+    weight_map: dict[str, str] = {}
+    current: dict[str, torch.Tensor] = {}
+    total = 0
+
+    def flush() -> None:
+        if current:
+            save_file(current, str(out / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+            shards[-1] = list(current)
+            shards.append([])
+            current.clear()
+
     with torch.no_grad():
         for key, p in model.named_parameters():
             w = torch.empty(p.shape, dtype=torch.float32)
@@ -180,11 +199,26 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int
                 w.add_(1.0)
             fingerprints["float32"][key] = tensor_fingerprint(w)
             fingerprints["bfloat16"][key] = tensor_fingerprint(w.to(torch.bfloat16))
-            # Replace the storage with the target dtype right away: peak stays ~1x the model.
-            p.data = w.to(dtype) if dtype != torch.float32 else w
+            stored = w.to(dtype) if dtype != torch.float32 else w
             del w
-    model.config.dtype = dtype  # what config.json records as the checkpoint dtype
-    model.save_pretrained(out, max_shard_size=_shard_size(model))
+            nbytes = stored.numel() * stored.element_size()
+            if current and sum(t.numel() * t.element_size() for t in current.values()) + nbytes > limit:
+                flush()  # as transformers shards: a new shard when the next tensor would overflow this one
+            current[key] = stored
+            total += nbytes
+        flush()
+    shards.pop()  # the empty one flush() opened last
+    for k, keys in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{k:05d}.tmp").rename(out / fname)
+        weight_map.update({key: fname for key in keys})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
+    config.dtype = dtype  # what config.json records as the checkpoint dtype
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
     del model
     if not (out / "model.safetensors.index.json").exists():
         raise RuntimeError(f"{out}: expected a sharded checkpoint (size too small for 500MB shards?)")
