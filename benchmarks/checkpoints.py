@@ -146,6 +146,7 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int
     of ``size_gb`` (the shape sweep's real model widths), cached as ``workdir/llama-<name>-<dtype>``.
     """
     import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     label = f"{size_gb:g}gb" if dims is None else name
@@ -172,49 +173,40 @@ def make_llama_checkpoint(workdir, size_gb: float, dtype, *, dims: dict[str, int
         tie_word_embeddings=False,
     )
     # Build on meta (no allocation, no slow random init) for the names and shapes, then fill each tensor ourselves
-    # (randn is ~100x faster than transformers' init, and deterministic) and write it into the current shard: one
-    # shard is in memory at a time, so a checkpoint larger than this machine's RAM (bench_scale.py) can be made.
+    # (randn is ~100x faster than transformers' init, and deterministic) and write each shard once its last tensor
+    # is made: a shard or two is in memory at a time, so a checkpoint larger than this machine's RAM
+    # (bench_scale.py) can be made.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(SEED)
     fingerprints: dict[str, dict] = {"float32": {}, "bfloat16": {}}
-    limit = _shard_limit_bytes(sum(p.numel() * dtype.itemsize for p in model.parameters()))
-    shards: list[list[str]] = [[]]
-    weight_map: dict[str, str] = {}
-    current: dict[str, torch.Tensor] = {}
-    total = 0
-
-    def flush() -> None:
-        if current:
-            save_file(current, str(out / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
-            shards[-1] = list(current)
-            shards.append([])
-            current.clear()
-
+    params = dict(model.named_parameters())
+    # the shards exactly as save_pretrained cuts them (huggingface_hub's split, on shapes only)
+    split = split_torch_state_dict_into_shards(
+        {k: torch.empty(p.shape, dtype=dtype, device="meta") for k, p in params.items()},
+        filename_pattern="model{suffix}.safetensors", max_shard_size=_shard_limit_bytes(
+            sum(p.numel() * dtype.itemsize for p in params.values())),
+    )
+    file_of = {key: f for f, keys in split.filename_to_tensors.items() for key in keys}
+    pending = {f: dict.fromkeys(keys) for f, keys in split.filename_to_tensors.items()}
     with torch.no_grad():
-        for key, p in model.named_parameters():
+        for key, p in params.items():
             w = torch.empty(p.shape, dtype=torch.float32)
             w.normal_(0.0, 0.02, generator=gen)
             if p.ndim == 1:  # RMSNorm weights: around 1, but not all identical
                 w.add_(1.0)
             fingerprints["float32"][key] = tensor_fingerprint(w)
             fingerprints["bfloat16"][key] = tensor_fingerprint(w.to(torch.bfloat16))
-            stored = w.to(dtype) if dtype != torch.float32 else w
+            shard = pending[file_of[key]]
+            shard[key] = w.to(dtype) if dtype != torch.float32 else w
             del w
-            nbytes = stored.numel() * stored.element_size()
-            if current and sum(t.numel() * t.element_size() for t in current.values()) + nbytes > limit:
-                flush()  # as transformers shards: a new shard when the next tensor would overflow this one
-            current[key] = stored
-            total += nbytes
-        flush()
-    shards.pop()  # the empty one flush() opened last
-    for k, keys in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        (out / f"shard-{k:05d}.tmp").rename(out / fname)
-        weight_map.update({key: fname for key in keys})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-    )
+            if all(t is not None for t in shard.values()):  # the shard's last tensor: write it, free it
+                save_file(shard, str(out / file_of[key]), metadata={"format": "pt"})
+                del pending[file_of[key]]
+    index = {"metadata": {**split.metadata, "total_parameters": sum(p.numel() for p in params.values())},
+             "weight_map": dict(sorted(file_of.items()))}
+    if split.is_sharded:
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config.dtype = dtype  # what config.json records as the checkpoint dtype
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
