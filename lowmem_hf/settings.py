@@ -30,8 +30,9 @@ def store_cache_dir() -> str:
     reads whole (``.bin`` shards, DCP files): ``LOWMEM_HF_STORE_CACHE``, else ``$HF_HOME/lowmem_hf/store``."""
     if os.environ.get("LOWMEM_HF_STORE_CACHE"):
         return os.environ["LOWMEM_HF_STORE_CACHE"]
-    hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return os.path.join(hf_home, "lowmem_hf", "store")
+    from huggingface_hub import constants  # HF_HOME as huggingface_hub resolves it (XDG_CACHE_HOME included)
+
+    return os.path.join(constants.HF_HOME, "lowmem_hf", "store")
 
 
 def launcher_rank() -> int | None:

@@ -170,8 +170,8 @@ def local_intervals(
     """This mesh coordinate's index set of every tensor dim, as sorted ``(start, stop)`` runs.
 
     Applies the placements left to right as DTensor does (torch's ``compute_local_shape_and_global_offset``), each
-    ``Shard`` (torch's public ``Shard.local_shard_size_and_offset``) or strided shard (``strided_shard_indices``, as
-    runs: ``strided_shard_positions``) selecting a subset of the indices the previous mesh dims left; ``Replicate`` keeps all. A strided shard (TP and
+    ``Shard`` (torch's public ``Shard.local_shard_size_and_offset``) or strided shard (``strided_shard_positions``)
+    selecting a subset of the indices the previous mesh dims left; ``Replicate`` keeps all. A strided shard (TP and
     FSDP sharding the same dim) gives several runs. Row-major order of the indices is the local tensor's order.
 
     Raises:
@@ -218,7 +218,15 @@ def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def strided_shard_positions(size: int, split_factor: int, num_chunks: int, rank: int) -> list[tuple[int, int]]:
-    """``strided_shard_indices`` as ``(start, stop)`` runs: the same cuts, one run per piece."""
+    """The positions of a dim of ``size`` that a strided shard gives mesh coordinate ``rank`` of ``num_chunks``, as
+    ``(start, stop)`` runs (one per piece, so a 405B model's 53248-row dims cost O(pieces), not O(rows)).
+
+    torch's right-to-left sharding (``_StridedShard``): the dim is cut into ``split_factor`` pieces (the shards an
+    inner mesh dim, TP, already made), each piece into ``num_chunks``, and ``rank`` takes its chunk of every piece.
+    Both cuts are ``torch.chunk``'s: pieces of ``ceil(n / parts)``, the last ones shorter or empty. Computed here
+    because the method torch offers for it is private and changed signature between releases (torch 2.13 added an
+    offset-mode argument 2.11 lacks); tests/test_mesh.py checks it against torch's own where one is installed.
+    """
     positions = []
     piece = -(-size // split_factor)
     for p in range(split_factor):
@@ -231,21 +239,8 @@ def strided_shard_positions(size: int, split_factor: int, num_chunks: int, rank:
 
 
 def strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: int) -> list[int]:
-    """The indices of a dim of ``size`` that a strided shard gives mesh coordinate ``rank`` of ``num_chunks``.
-
-    torch's right-to-left sharding (``_StridedShard``): the dim is cut into ``split_factor`` pieces (the shards an
-    inner mesh dim, TP, already made), each piece into ``num_chunks``, and ``rank`` takes its chunk of every piece.
-    Both cuts are ``torch.chunk``'s: pieces of ``ceil(n / parts)``, the last ones shorter or empty. Computed here
-    because the method torch offers for it is private and changed signature between releases (torch 2.13 added an
-    offset-mode argument 2.11 lacks); tests/test_mesh.py checks it against torch's own where one is installed.
-    """
-    picked: list[int] = []
-    piece = -(-size // split_factor)
-    for p in range(split_factor):
-        start, stop = min(piece * p, size), min(piece * (p + 1), size)
-        chunk = -(-(stop - start) // num_chunks)
-        picked.extend(range(start + min(chunk * rank, stop - start), start + min(chunk * (rank + 1), stop - start)))
-    return picked
+    """``strided_shard_positions`` as the list of indices (torch's own form of the answer, which the tests compare)."""
+    return [i for start, stop in strided_shard_positions(size, split_factor, num_chunks, rank) for i in range(start, stop)]
 
 
 def specs_from_placements(model: torch.nn.Module, tp_plan: Mapping[str, str] | None = None) -> dict[str, ShardSpec]:
