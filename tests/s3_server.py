@@ -80,8 +80,11 @@ def start_s3_server(binary: str, *, timeout_s: float = 60.0) -> S3Server:
     ports = {flag: free_port() for flag in _PORT_FLAGS}
     key, secret, bucket = "k" + secrets.token_hex(8), secrets.token_hex(20), "models"
     env = dict(os.environ, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
-    args = [binary, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={bucket}", "-webdav=false",
-            "-admin.ui=false", *(f"-{flag}={port}" for flag, port in ports.items())]
+    # -logdir: weed's own log files go in the server's folder, removed with it, instead of piling up in /tmp
+    args = [binary, f"-logdir={folder}", "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={bucket}", "-webdav=false",
+            "-admin.ui=false", *(f"-{flag}={port}" for flag, port in ports.items()),
+            # its unix sockets default to /tmp/seaweedfs-*-<port>.sock, left behind after the server stops
+            f"-filer.localSocket={folder}/filer.sock", f"-s3.localSocket={folder}/s3.sock"]
     log = open(os.path.join(folder, "weed.log"), "wb")
     process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, key, secret, process, folder)
