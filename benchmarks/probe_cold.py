@@ -11,6 +11,7 @@ order reversed every other repeat. A variant changes one of lowmem_hf's cold-rea
     wN         N reader threads
     cNm        chunks of N MiB, not capped (staging is threads x chunk)
     nohints    no ``posix_fadvise(WILLNEED)`` announcements ahead of the reads
+    a+b        both settings (``c16m+nohints``)
 
 Printed per variant: the median return time and its ratio to transformers, and the disk's rate over the load
 (``/proc/self/io`` read_bytes per second). A probe, not a benchmark: it says which setting gives the disk more;
@@ -52,22 +53,23 @@ def child(path: str, variant: str) -> None:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
     LowMem = lowmem_hf.LowMemAutoModelForCausalLM
     kwargs = {}
-    if variant.startswith("w"):
-        workers = int(variant[1:])
-        load_stage.choose_workers = lambda cached: workers if cached is not None and cached < 0.9 else stream_stage.DEFAULT_WORKERS
-    elif variant.startswith("c") and variant.endswith("m"):
-        kwargs["chunk_bytes"] = int(variant[1:-1]) << 20
-        load_stage.staging_chunk_bytes = lambda plan, chunk_bytes, workers=0: chunk_bytes
-    elif variant == "nohints":
-        original = load_stage.stream
+    for setting in variant.split("+"):
+        if setting.startswith("w"):
+            workers = int(setting[1:])
+            load_stage.choose_workers = lambda cached, n=workers: n if cached is not None and cached < 0.9 else stream_stage.DEFAULT_WORKERS
+        elif setting.startswith("c") and setting.endswith("m"):
+            kwargs["chunk_bytes"] = int(setting[1:-1]) << 20
+            load_stage.staging_chunk_bytes = lambda plan, chunk_bytes, workers=0: chunk_bytes
+        elif setting == "nohints":
+            original = load_stage.stream
 
-        def no_hints(*a, **kw):
-            kw["read_ahead_hints"] = False
-            return original(*a, **kw)
+            def no_hints(*a, original=original, **kw):
+                kw["read_ahead_hints"] = False
+                return original(*a, **kw)
 
-        load_stage.stream = no_hints
-    elif variant not in ("lowmem", "transformers"):
-        raise SystemExit(f"unknown variant {variant!r}")
+            load_stage.stream = no_hints
+        elif setting not in ("lowmem", "transformers"):
+            raise SystemExit(f"unknown setting {setting!r} in variant {variant!r}")
     print("READY", flush=True)
     sys.stdin.readline()
     before, t0 = read_bytes(), time.perf_counter()
@@ -80,7 +82,9 @@ def child(path: str, variant: str) -> None:
 
 
 def run_one(path: str, variant: str) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, "--child", variant, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")  # no progress bars in the output
+    proc = subprocess.Popen([sys.executable, __file__, "--child", variant, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "READY"
     if not drop_page_cache():
         proc.kill()
