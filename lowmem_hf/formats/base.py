@@ -340,8 +340,8 @@ class RangeReader(Reader):
 
     Same dtype on a CPU destination: straight into the destination's memory (``source.populate`` first: a local
     source faults its fresh pages in before the copy), no staging at all. Otherwise: through
-    a reused staging buffer of ``chunk_bytes`` per worker thread (two, pinned, when the destination is a CUDA device:
-    ``Staging``), converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is
+    a reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device, two
+    while copies overlap reads: ``Staging``), converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is
     ``read``/``read_runs`` of the source (``preadv`` for local files): a file that ends early raises the source's
     named error, where a mapping of it would kill the process with SIGBUS.
     """
