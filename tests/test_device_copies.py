@@ -222,3 +222,28 @@ def test_a_tensor_parallel_slice_through_the_ring_equals_the_plain_load(make_che
     got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, tp_rank=1, tp_size=2, chunk_bytes=1000)
     for name, t in plain.state_dict().items():
         assert torch.equal(got.state_dict()[name], t), name
+
+
+def test_a_training_checkpoint_through_the_ring_equals_the_plain_load(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=False))
+    model.config.save_pretrained(tmp_path)
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    plain = Causal.from_pretrained(tmp_path, torch_dtype=torch.bfloat16, chunk_bytes=1000)
+
+    def ring_for(self, device):
+        with self._lock:
+            if self._ring is None:
+                self._ring = CopyRing(self._stats, device=device, lane=ThreadLane, convert_on_device=True)
+        return self._ring
+
+    monkeypatch.setattr(Staging, "_ring_for", ring_for)
+    lanes = len(ThreadLane.instances)
+    got = Causal.from_pretrained(tmp_path, torch_dtype=torch.bfloat16, chunk_bytes=1000)
+    assert sum(lane.submitted for lane in ThreadLane.instances[lanes:]) > 0
+    for name, t in plain.state_dict().items():
+        assert torch.equal(got.state_dict()[name], t), name
