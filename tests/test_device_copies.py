@@ -13,7 +13,8 @@ import transformers
 
 from lowmem_hf import settings
 from lowmem_hf.auto import AUTO_CLASSES
-from lowmem_hf.formats.base import CopyRing, Staging, StreamStats
+from lowmem_hf.formats.base import StreamStats
+from lowmem_hf.formats.staging import CopyRing, Staging
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
 

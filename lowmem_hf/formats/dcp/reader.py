@@ -17,7 +17,8 @@ from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ...sources import ByteSource
 from ...types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from .. import safetensors, torch_pickle, zip_archive
-from ..base import Reader, SourceFile, Staging, StreamStats, byte_view
+from ..base import Reader, SourceFile, StreamStats, byte_view
+from ..staging import Staging
 from .coverage import check_covered
 from .layout import DcpLayout, StoredChunk
 
