@@ -188,8 +188,8 @@ def parse(argv=None):
     ap.add_argument("--workdir", default="/tmp/gpu_check")
     ap.add_argument("--wheels", help="a folder of wheels (gpu_wheels.sh) to install and put first on the children's path")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
-    ap.add_argument("--no-overlap", action="store_true", help="LOWMEM_HF_GPU_OVERLAP=0 for every child: blocking "
-                    "copies from one staging buffer per reader thread")
+    ap.add_argument("--no-overlap", action="store_true", help="LOWMEM_HF_GPU_OVERLAP=0 for every child: one "
+                    "staging buffer per reader thread, whose next read waits for its copy")
     ap.add_argument("--no-convert-on-device", action="store_true", help="LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0 for every "
                     "child: converted chunks go through copy_ as they are")
     args = ap.parse_args(argv)

@@ -38,8 +38,8 @@ def store_cache_dir() -> str:
 def gpu_overlap() -> bool | None:
     """``LOWMEM_HF_GPU_OVERLAP``, for loads onto a CUDA device: ``1`` (the default where unset) gives each reader
     thread two pinned staging buffers used in turn, its copies to the device issued on a side stream without waiting,
-    so the next chunk is read while the previous one is copied; ``0`` copies each chunk with a blocking ``copy_``
-    from one buffer. None where unset."""
+    so the next chunk is read while the previous one is copied; ``0``: one buffer per thread, whose next read waits
+    for its copy (with ``LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0`` too: a blocking ``copy_``). None where unset."""
     return _switch("LOWMEM_HF_GPU_OVERLAP")
 
 

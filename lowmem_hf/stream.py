@@ -12,7 +12,7 @@ page cache, each submodule's reads are also announced (``Reader.hint``: the kern
 it enters that window, so a cold disk is kept busy. Destinations are the final model's memory, so reading ahead
 costs no staging; submodules are still yielded (and assigned) strictly in plan order.
 
-Onto a CUDA device, the readers' staged copies may run on side streams (``formats.base.CopyRing``): the stream
+Onto a CUDA device, the readers' staged copies may run on side streams (``formats.staging.CopyRing``): the stream
 tells the reader when destinations were allocated (``fence``: copies into them wait for the current stream's work)
 and makes each submodule's copies visible to the current stream before yielding it (``publish``); the reader's
 ``close`` waits for every copy, so the model is complete whichever stream reads it.

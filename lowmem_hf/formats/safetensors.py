@@ -7,7 +7,7 @@ ranges from any byte source is ``base.RangeReader`` (``SafetensorsReader``), whi
 
 Reading: ``preadv`` of the slice's byte ranges (or HTTP ranges). Same dtype on CPU: straight into the
 destination's memory, no staging at all. Otherwise: through a reused staging buffer of ``chunk_bytes`` per
-worker thread (pinned when the destination is a CUDA device, two while copies overlap reads: ``base.Staging``),
+worker thread (pinned when the destination is a CUDA device, two while copies overlap reads: ``staging.Staging``),
 converted by ``copy_`` chunk by chunk.
 (Converting straight from a mapping of the file saves that copy, but on the 2 GB fp32 -> bf16 load, page-cache
 warm, it is not reliably faster: across runs it measured from 17% slower to 9% faster. Not used: a file truncated

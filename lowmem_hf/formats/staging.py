@@ -23,7 +23,8 @@ class Staging:
 
     A CPU destination, or a CUDA one with both switches off (``settings.gpu_overlap``, ``gpu_convert_on_device``):
     one reused buffer per worker thread (pinned for CUDA) and a plain ``copy_``, which blocks. A CUDA destination
-    otherwise goes through a ``CopyRing``: two buffers per thread and copies that do not block the next read.
+    otherwise goes through a ``CopyRing``: with overlap, two buffers per thread and copies that do not block the next
+    read; converting on the device, one device buffer per thread.
     """
 
     def __init__(self, stats: StreamStats, *, overlap: bool | None = None, convert_on_device: bool | None = None):
@@ -82,7 +83,7 @@ class Staging:
         with self._lock:
             if self._ring is None:
                 self._ring = CopyRing(
-                    self._stats, device=device, lane=CudaLane if self._overlap else None, convert_on_device=self._convert,
+                    self._stats, device=device, lane=CudaLane, depth=2 if self._overlap else 1, convert_on_device=self._convert,
                 )
         return self._ring
 
@@ -130,26 +131,26 @@ class CudaLane:
 class CopyRing:
     """The copies of staged chunks to a device, as fastsafetensors and Run:ai's streamer make them.
 
-    Overlap (``lane``, a ``CudaLane`` class): each reader thread fills two host buffers in turn (pinned on CUDA)
-    and submits each chunk's copy to its own lane without waiting, so it reads the next chunk into the other buffer
-    while the copy runs; a buffer is handed out again only after the mark recorded after its last copy has been
-    reached. Host staging is then 2 x chunk per thread. Without a lane: one buffer and blocking copies, as
-    ``Staging`` makes them.
+    Each reader thread fills ``depth`` host buffers in turn (pinned on CUDA) and submits each chunk's copy to its own
+    lane (``lane``: ``CudaLane``, a side stream) without waiting; a buffer is handed out again only after the mark
+    recorded after its last copy has been reached. ``depth=2`` overlaps: the thread reads the next chunk into the
+    other buffer while the copy runs, and host staging is 2 x chunk per thread. ``depth=1``: the next read waits for
+    the copy, as a blocking ``copy_`` would.
 
     ``convert_on_device``: a chunk whose dtype changes, or whose runs are strided, goes to the device as its stored
     bytes, into one reused device buffer per thread, and a kernel there converts and gathers it into ``out``. A
     blocking ``copy_`` across devices and dtypes converts on the host instead (ATen's ``copy_kernel_cuda``: into a
     pageable temporary, then copied); a non-blocking one converts on the device, but through a fresh device
-    temporary per chunk, and still gathers strided runs on the host.
+    temporary per chunk, and gathers a strided band that changes dtype on the host first.
 
     The lane is a parameter so that the ordering runs on the CPU too (the tests give it a thread).
     """
 
-    def __init__(self, stats: StreamStats, *, device: torch.device, lane: type | None, convert_on_device: bool):
+    def __init__(self, stats: StreamStats, *, device: torch.device, lane: type, depth: int, convert_on_device: bool):
         self._stats = stats
         self._device = torch.device(device)
         self._lane_type = lane
-        self._depth = 2 if lane is not None else 1
+        self._depth = depth
         self._pinned = self._device.type == "cuda"
         self._convert = convert_on_device
         self._local = threading.local()
@@ -180,10 +181,7 @@ class CopyRing:
         if self._convert and stored.numel() and (stored.dtype != out.dtype or not stored.is_contiguous()):
             copy = functools.partial(self._through_device, mine, out, stored, mine.buffers[mine.turn])
         else:
-            copy = functools.partial(out.copy_, stored, non_blocking=mine.lane is not None)
-        if mine.lane is None:
-            copy()
-            return
+            copy = functools.partial(out.copy_, stored, non_blocking=True)
         fence = self._fence
         if fence is not None and mine.fenced is not fence:
             mine.lane.after(fence)
@@ -194,8 +192,7 @@ class CopyRing:
     def fence(self) -> None:
         """Destinations were just allocated on the calling thread's current stream, maybe in blocks its pending work
         still reads (freed there, reused at once): the lanes' next copies wait for that work on the device."""
-        if self._lane_type is not None:
-            self._fence = self._lane_type.fence(self._device)
+        self._fence = self._lane_type.fence(self._device)
 
     def publish(self) -> None:
         """Every copy submitted so far is visible to the calling thread's current stream (a wait on the device)."""
@@ -214,11 +211,10 @@ class CopyRing:
     def _thread(self) -> _Thread:
         mine = getattr(self._local, "state", None)
         if mine is None:
-            lane = self._lane_type(self._device) if self._lane_type is not None else None
+            lane = self._lane_type(self._device)
             mine = self._local.state = _Thread(self._depth, lane)
-            if lane is not None:
-                with self._lock:
-                    self._lanes.append(lane)
+            with self._lock:
+                self._lanes.append(lane)
         return mine
 
     def _through_device(self, mine: _Thread, out: torch.Tensor, stored: torch.Tensor, host: torch.Tensor) -> None:
@@ -234,14 +230,14 @@ class CopyRing:
             with self._lock:
                 self._stats.device_staged(grown)
         raw = mine.device_buf[:span]
-        raw.copy_(host[first : first + span], non_blocking=mine.lane is not None)
+        raw.copy_(host[first : first + span], non_blocking=True)
         out.copy_(raw.view(stored.dtype).as_strided(stored.shape, stored.stride()))
 
 
 @dataclass
 class _Thread:
     """One reader thread's part of a ``CopyRing``: its host buffers, the mark after each one's last copy, the
-    buffer in use, its device buffer and the lane its copies run on (None: blocking copies)."""
+    buffer in use, its device buffer and the lane its copies run on."""
 
     depth: int
     lane: Any
