@@ -3,7 +3,7 @@ against transformers, ``safetensors.torch.load_file`` and the machine's own host
 it take? Prints one table; exit status 1 on any inequality or failed load.
 
     python benchmarks/gpu_check.py [--device cuda] [--size-gb 4.0] [--repeats 2] [--cache warm cold]
-        [--workdir /tmp/gpu_check] [--wheels benchmarks/_gpu_wheels]
+        [--workdir /tmp/gpu_check] [--wheels benchmarks/_gpu_wheels] [--no-overlap] [--no-convert-on-device]
     python benchmarks/gpu_check.py --device cpu --small      # CI (tests/test_gpu_check.py): the same code, < 2 min
 
 The checkpoint is the benchmarks' generated Llama (``checkpoints.py``), ``--size-gb`` in fp32 (``--small``: 0.05),
@@ -18,6 +18,10 @@ stored once as fp32 and once as bf16, both loaded as bf16:
   second over a plain pinned host-to-device ``copy_`` of the same run (on the CPU: a plain memory copy);
 - **memory**: peak host RssAnon and VmHWM above the post-import baseline (sampled by this process) and
   ``torch.cuda.max_memory_allocated``, each per byte of the loaded model.
+
+``--no-overlap`` / ``--no-convert-on-device`` run lowmem_hf's loads with ``LOWMEM_HF_GPU_OVERLAP=0`` /
+``LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0`` (docs/usage.md): the same table without the copies overlapping the reads, or
+with chunks converted by ``copy_`` itself, to time each change against its absence.
 
 ``--wheels DIR`` (the GPU machine has no registry and an older transformers): unpacks DIR's wheels
 (``gpu_wheels.sh`` builds them) into a folder under the workdir and runs again, this process and its children, with
@@ -68,6 +72,14 @@ def rerun_with(site: Path) -> None:
         return
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p))
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def switches(args) -> dict[str, str]:
+    """The environment that turns off what ``--no-overlap`` / ``--no-convert-on-device`` name, for every child."""
+    return {
+        **({"LOWMEM_HF_GPU_OVERLAP": "0"} if args.no_overlap else {}),
+        **({"LOWMEM_HF_GPU_CONVERT_ON_DEVICE": "0"} if args.no_convert_on_device else {}),
+    }
 
 
 def child_env(site: Path | None) -> dict[str, str]:
@@ -176,6 +188,10 @@ def parse(argv=None):
     ap.add_argument("--workdir", default="/tmp/gpu_check")
     ap.add_argument("--wheels", help="a folder of wheels (gpu_wheels.sh) to install and put first on the children's path")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
+    ap.add_argument("--no-overlap", action="store_true", help="LOWMEM_HF_GPU_OVERLAP=0 for every child: one "
+                    "staging buffer per reader thread, whose next read waits for its copy")
+    ap.add_argument("--no-convert-on-device", action="store_true", help="LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0 for every "
+                    "child: converted chunks go through copy_ as they are")
     args = ap.parse_args(argv)
     if args.small:
         args.size_gb, args.repeats, args.cache = 0.05, 1, ["warm"]
@@ -199,8 +215,9 @@ def main(argv=None) -> int:
     from checkpoints import make_llama_checkpoint
     from measure import boost_sampler_priority
 
-    env = dict(child_env(site), GPU_CHECK_LOG=str(workdir / "child.log"))
-    print(f"[gpu_check] sampler {boost_sampler_priority()}, device {args.device}, {args.size_gb:g} GB fp32", flush=True)
+    env = dict(child_env(site), GPU_CHECK_LOG=str(workdir / "child.log"), **switches(args))
+    print(f"[gpu_check] sampler {boost_sampler_priority()}, device {args.device}, {args.size_gb:g} GB fp32, "
+          f"switches {switches(args) or 'default'}", flush=True)
     import torch
 
     paths = {case: make_llama_checkpoint(workdir, args.size_gb, getattr(torch, stored)) for case, stored in CASES.items()}

@@ -11,7 +11,7 @@ import os
 from transformers.utils.import_utils import is_env_variable_true
 
 __all__ = [
-    "DEFAULT_SPAN_BYTES", "async_load", "launcher_rank", "launcher_world_size", "local_rank", "local_world_size",
+    "DEFAULT_SPAN_BYTES", "async_load", "gpu_convert_on_device", "gpu_overlap", "launcher_rank", "launcher_world_size", "local_rank", "local_world_size",
     "proc_status", "proc_status_bytes", "store_cache_dir",
 ]
 
@@ -33,6 +33,31 @@ def store_cache_dir() -> str:
     from huggingface_hub import constants  # HF_HOME as huggingface_hub resolves it (XDG_CACHE_HOME included)
 
     return os.path.join(constants.HF_HOME, "lowmem_hf", "store")
+
+
+def gpu_overlap() -> bool | None:
+    """``LOWMEM_HF_GPU_OVERLAP``, for loads onto a CUDA device: ``1`` (the default where unset) gives each reader
+    thread two pinned staging buffers used in turn, its copies to the device issued on a side stream without waiting,
+    so the next chunk is read while the previous one is copied; ``0``: one buffer per thread, whose next read waits
+    for its copy (with ``LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0`` too: a blocking ``copy_``). None where unset."""
+    return _switch("LOWMEM_HF_GPU_OVERLAP")
+
+
+def gpu_convert_on_device() -> bool | None:
+    """``LOWMEM_HF_GPU_CONVERT_ON_DEVICE``, for loads onto a CUDA device: ``1`` (the default where unset) copies a
+    chunk whose dtype changes, or whose runs are strided, to the device as its stored bytes (into a reused device
+    buffer per reader thread) and converts or gathers it there; ``0`` leaves it to ``copy_`` (which converts on the
+    host when the copy blocks). None where unset."""
+    return _switch("LOWMEM_HF_GPU_CONVERT_ON_DEVICE")
+
+
+def _switch(name: str) -> bool | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 (off) or 1 (on), or unset (on where it applies).")
+    return value == "1"
 
 
 def launcher_rank() -> int | None:

@@ -11,6 +11,11 @@ current one is assigned, up to ``read_ahead_bytes`` of reads in flight beyond it
 page cache, each submodule's reads are also announced (``Reader.hint``: the kernel is asked to read them ahead) as
 it enters that window, so a cold disk is kept busy. Destinations are the final model's memory, so reading ahead
 costs no staging; submodules are still yielded (and assigned) strictly in plan order.
+
+Onto a CUDA device, the readers' staged copies may run on side streams (``formats.staging.CopyRing``): the stream
+tells the reader when destinations were allocated (``fence``: copies into them wait for the current stream's work)
+and makes each submodule's copies visible to the current stream before yielding it (``publish``); the reader's
+``close`` waits for every copy, so the model is complete whichever stream reads it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from .formats import Reader, StreamStats
-from .settings import local_world_size
+from .settings import gpu_convert_on_device, gpu_overlap, local_world_size
 from .sources import ByteSource
 from .sources.local import trim_heap
 from .types import ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo, TensorRead
@@ -92,6 +97,8 @@ def stream(
     source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
     and all on exit).
     """
+    device = torch.device(device)
+    _note_unused_switches(device, stats)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
     hint = reader.hint if read_ahead_hints else None  # ~0.1 ms per call even when cached
     if not source.policy.read_ahead:
@@ -100,6 +107,7 @@ def stream(
     def submit(sub: SubmodulePlan) -> _InFlight:
         source.before_submodule(sub.name)  # the cooperative fetch runs its waves from here
         tensors, pairs, staged = _destinations(sub, reader=reader, device=device, into=into, stats=stats)
+        reader.fence(device)
         jobs = []
         for info, dst, shard in pairs:
             if hint is not None:
@@ -120,6 +128,7 @@ def stream(
                 window.append(item)
             head = window.popleft()
             _finish(head, reader, threaded=pool is not None)
+            reader.publish()  # a CUDA destination may have been written on the readers' side streams
             if window:
                 ahead -= window[0].nbytes  # the next one becomes the head
             yield head.sub, head.tensors, head.staged
@@ -170,6 +179,15 @@ def _finish(item: _InFlight, reader: Reader, *, threaded: bool) -> None:
             future.result()  # re-raises the first error, e.g. a file truncated mid-load
     for info, dst, _ in item.pairs:
         reader.done(info, dst.numel() * info.dtype.itemsize)
+
+
+def _note_unused_switches(device: torch.device, stats: StreamStats) -> None:
+    """A switch set to 1 that this load cannot honour is said in the report, not dropped silently."""
+    if device.type == "cuda":
+        return
+    for name, asked in (("LOWMEM_HF_GPU_OVERLAP", gpu_overlap()), ("LOWMEM_HF_GPU_CONVERT_ON_DEVICE", gpu_convert_on_device())):
+        if asked:
+            stats.notes.append(f"{name}=1 applies to loads onto a CUDA device; this load is onto {device}, so it changed nothing.")
 
 
 def _read_bytes(sub: SubmodulePlan) -> int:

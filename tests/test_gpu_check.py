@@ -58,3 +58,11 @@ def test_carried_wheels_are_unpacked_once_into_the_folder_put_first_on_the_path(
     (site / "carried" / "__init__.py").write_text("changed")
     assert gpu_check.install_wheels(wheels, tmp_path / "work") == site  # the same wheels: not unpacked again
     assert (site / "carried" / "__init__.py").read_text() == "changed"
+
+
+def test_the_switches_turn_off_overlap_and_device_conversion_in_every_child():
+    from argparse import Namespace
+
+    assert gpu_check.switches(Namespace(no_overlap=False, no_convert_on_device=False)) == {}
+    both = Namespace(no_overlap=True, no_convert_on_device=True)
+    assert gpu_check.switches(both) == {"LOWMEM_HF_GPU_OVERLAP": "0", "LOWMEM_HF_GPU_CONVERT_ON_DEVICE": "0"}

@@ -1,11 +1,9 @@
-"""What every format's reader shares: the contract with the stream, its counters, staging buffers, byte views."""
+"""What every format's reader shares: the contract with the stream, byte views (its counters: ``stats.py``; staging: ``staging.py``)."""
 
 from __future__ import annotations
 
 import functools
 import io
-import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -13,46 +11,19 @@ import torch
 from ..runs import chunk_runs, element_extent, element_runs
 from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
+from .staging import Staging
+from .stats import StreamStats
 
 __all__ = ["Reader", "RangeReader", "StreamStats", "Staging", "SourceFile", "byte_view"]
-
-
-@dataclass
-class StreamStats:
-    """Counters the stream keeps while it runs (mutable on purpose: it is filled during the stream)."""
-
-    bytes_read: int = 0
-    files_read: list[str] = field(default_factory=list)
-    staging_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-    on_read: Callable[[int], None] | None = None
-    """Called with the byte count of each finished tensor (the progress bar)."""
-    mapped_bytes: int = 0
-    """Bytes of tensors left as copy-on-write views of checkpoint files (``mmap=True``)."""
-    band_extra_bytes: int = 0
-    """HTTP ranges: bytes fetched beyond the slices because dim-1 slices were fetched as whole row bands."""
-    header_bytes: int = 0
-    """Format metadata read while streaming (a ``.distcp`` item's archive directory and pickle), not tensor data."""
-
-    def read(self, nbytes: int) -> None:
-        self.bytes_read += nbytes
-        if self.on_read is not None:
-            self.on_read(nbytes)
-
-    def opened(self, path: str) -> None:
-        if path not in self.files_read:
-            self.files_read.append(path)
-
-    def staged(self, nbytes: int) -> None:
-        self.staging_bytes = max(self.staging_bytes, nbytes)
 
 
 class Reader:
     """The contract between a format's reader and the stream (``stream.stream`` drives it).
 
     ``jobs`` returns independent reads that together fill a destination (already of the decided dtype and
-    device) with the stored tensor or this rank's slice of it, converting on the fly; the stream runs them on
-    its threads, then calls ``done``. ``close`` comes last, once every job has finished. Nothing of a file stays
+    device) with the stored tensor or this rank's slice of it, converting on the fly; the stream calls ``fence``
+    once their destinations are allocated, runs them on its threads, then calls ``done``, and ``publish`` before
+    it hands the tensors on. ``close`` comes last, once every job has finished. Nothing of a file stays
     mapped or buffered afterwards (except ``mmap=True`` views, which are the parameters).
     """
 
@@ -71,31 +42,16 @@ class Reader:
         """Account one finished tensor (``nbytes`` read)."""
         raise NotImplementedError
 
+    def fence(self, device: torch.device) -> None:
+        """The destinations on ``device`` of the jobs about to run were just allocated on the calling thread's
+        current stream."""
+
+    def publish(self) -> None:
+        """Every finished job's copies are visible to the calling thread's current stream (a device destination
+        may be written on other streams)."""
+
     def close(self) -> None:
         """Release what the reader holds (every job has finished)."""
-
-
-class Staging:
-    """One reusable host buffer per worker thread for chunks that cannot land in place (dtype change, or a
-    device destination): host staging is ``workers x chunk_bytes`` at most, whatever the model size."""
-
-    def __init__(self, stats: StreamStats):
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._total = 0
-        self._stats = stats
-
-    def get(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        buffers = self._local.__dict__.setdefault("buffers", {})
-        buf = buffers.get(pinned)
-        if buf is None or buf.numel() < nbytes:
-            grown = max(nbytes, 1) - (buf.numel() if buf is not None else 0)
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-            buffers[pinned] = buf
-            with self._lock:
-                self._total += grown
-                self._stats.staged(self._total)
-        return buf[:nbytes]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -110,8 +66,8 @@ class RangeReader(Reader):
 
     Same dtype on a CPU destination: straight into the destination's memory (``source.populate`` first: a local
     source faults its fresh pages in before the copy), no staging at all. Otherwise: through
-    one reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device),
-    converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is
+    a reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device, two
+    while copies overlap reads: ``Staging``), converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is
     ``read``/``read_runs`` of the source (``preadv`` for local files): a file that ends early raises the source's
     named error, where a mapping of it would kill the process with SIGBUS.
     """
@@ -159,12 +115,11 @@ class RangeReader(Reader):
             return [functools.partial(direct, c) for c in chunks]
 
         flat = dst.view(-1)
-        pinned = dst.device.type == "cuda"
         host = dst.device.type == "cpu"
 
         def staged(chunk: list[tuple[int, int, int]]) -> None:
             total = sum(n for _, _, n in chunk)
-            buf = self._staging.get(total * itemsize, pinned=pinned)
+            buf = self._staging.get(total * itemsize, device=dst.device)
             bytes_view, pos, parts = byte_view(buf), 0, []
             for src, _, n in chunk:
                 parts.append((bytes_view[pos : pos + n * itemsize], info.offset + src * itemsize))
@@ -174,7 +129,7 @@ class RangeReader(Reader):
             out = flat[first : first + total]
             if host:
                 source.populate([byte_view(out)])  # the destination's fresh pages, in one call rather than in the copy
-            out.copy_(buf.view(info.dtype))
+            self._staging.copy(out, buf.view(info.dtype))
 
         return [functools.partial(staged, c) for c in chunks]
 
@@ -192,17 +147,17 @@ class RangeReader(Reader):
         if any(src != first + i * stride or m != n for i, (src, m) in enumerate(runs)):
             return None
         rows, per_band = len(runs), max(1, self._chunk_bytes // (stride * itemsize))
-        flat, pinned, source = dst.view(-1), dst.device.type == "cuda", self._source
+        flat, source = dst.view(-1), self._source
 
         def band(r0: int, r1: int) -> None:
             span = (r1 - r0 - 1) * stride + n  # through the last row's run, not its gap
-            buf = self._staging.get(span * itemsize, pinned=pinned)
+            buf = self._staging.get(span * itemsize, device=dst.device)
             source.read(info.file, byte_view(buf), info.offset + (first + r0 * stride) * itemsize)
             stored = buf.view(info.dtype).as_strided((r1 - r0, n), (stride, 1))
             out = flat[r0 * n : r1 * n]
             if dst.device.type == "cpu":
                 source.populate([byte_view(out)])
-            out.view(r1 - r0, n).copy_(stored)
+            self._staging.copy(out.view(r1 - r0, n), stored)
             source.count_gap((r1 - r0 - 1) * (stride - n) * itemsize)
 
         return [functools.partial(band, r, min(r + per_band, rows)) for r in range(0, rows, per_band)]
@@ -224,11 +179,11 @@ class RangeReader(Reader):
 
         def band(parts: list[tuple[int, int, int]]) -> None:
             first, end = parts[0][0], parts[-1][0] + parts[-1][2]
-            buf = self._staging.get((end - first) * itemsize, pinned=dst.device.type == "cuda")
+            buf = self._staging.get((end - first) * itemsize, device=dst.device)
             self._source.read(info.file, byte_view(buf), info.offset + first * itemsize)
             stored = buf.view(info.dtype)
             for src, at, n in parts:
-                flat[at : at + n].copy_(stored[src - first : src - first + n])
+                self._staging.copy(flat[at : at + n], stored[src - first : src - first + n])
 
         self._stats.band_extra_bytes += sum((b[-1][0] + b[-1][2] - b[0][0]) * itemsize for b in bands) - dst.numel() * itemsize
         return [functools.partial(band, b) for b in bands]
@@ -245,6 +200,15 @@ class RangeReader(Reader):
 
     def finished(self, file: str) -> None:
         """Every planned read of ``file`` is done; its source still holds it (a format may check it here)."""
+
+    def fence(self, device: torch.device) -> None:
+        self._staging.fence(device)
+
+    def publish(self) -> None:
+        self._staging.publish()
+
+    def close(self) -> None:
+        self._staging.close()
 
 
 class SourceFile(io.RawIOBase):

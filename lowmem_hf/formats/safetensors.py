@@ -6,8 +6,9 @@ leaving tensors as views of the file (``mmap=True``, ``check_mmap``). Reading a 
 ranges from any byte source is ``base.RangeReader`` (``SafetensorsReader``), which ``.bin`` archives share.
 
 Reading: ``preadv`` of the slice's byte ranges (or HTTP ranges). Same dtype on CPU: straight into the
-destination's memory, no staging at all. Otherwise: through one reused staging buffer of ``chunk_bytes`` per
-worker thread (pinned when the destination is a CUDA device), converted by ``copy_`` chunk by chunk.
+destination's memory, no staging at all. Otherwise: through a reused staging buffer of ``chunk_bytes`` per
+worker thread (pinned when the destination is a CUDA device, two while copies overlap reads: ``staging.Staging``),
+converted by ``copy_`` chunk by chunk.
 (Converting straight from a mapping of the file saves that copy, but on the 2 GB fp32 -> bf16 load, page-cache
 warm, it is not reliably faster: across runs it measured from 17% slower to 9% faster. Not used: a file truncated
 while it is mapped kills the process with SIGBUS, where ``preadv`` raises the named error.) With ``mmap=True`` no tensor is read at all: each becomes a

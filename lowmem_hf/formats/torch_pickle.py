@@ -376,6 +376,7 @@ class TorchReader(RangeReader):
             )
 
     def close(self) -> None:
+        super().close()
         self._opened.clear()
 
 

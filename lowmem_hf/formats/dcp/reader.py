@@ -17,7 +17,8 @@ from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ...sources import ByteSource
 from ...types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from .. import safetensors, torch_pickle, zip_archive
-from ..base import Reader, SourceFile, Staging, StreamStats, byte_view
+from ..base import Reader, SourceFile, StreamStats, byte_view
+from ..staging import Staging
 from .coverage import check_covered
 from .layout import DcpLayout, StoredChunk
 
@@ -136,17 +137,24 @@ class DcpReader(Reader):
                 source.read_runs(chunk.file, [(view[at * itemsize : (at + n) * itemsize], start + src * itemsize) for src, at, n in span])
                 continue
             total = sum(n for _, _, n in span) * itemsize
-            buf = self._staging.get(total, pinned=dst.device.type == "cuda")
+            buf = self._staging.get(total, device=dst.device)
             source.read(chunk.file, byte_view(buf), start + span[0][0] * itemsize)
             values, pos = buf.view(chunk.dtype), 0
             for _, at, n in span:
-                flat[at : at + n].copy_(values[pos : pos + n])
+                self._staging.copy(flat[at : at + n], values[pos : pos + n])
                 pos += n
 
     def done(self, info: TensorInfo, nbytes: int) -> None:
         self._stats.read(nbytes)  # through the progress bar, as every reader
 
+    def fence(self, device: torch.device) -> None:
+        self._staging.fence(device)
+
+    def publish(self) -> None:
+        self._staging.publish()
+
     def close(self) -> None:
+        self._staging.close()
         with self._lock:
             self._located.clear()
             self._stats.header_bytes += self._extra
