@@ -112,7 +112,9 @@ ARGUMENTS: tuple[Argument, ...] = (
     Argument("disable_mmap", None, "reading",
              "accepted for compatibility (lowmem_hf memory-maps nothing unless ``mmap=True``)."),
     Argument("chunk_bytes", "chunk_bytes", "reading",
-             "the chunk size of each read and conversion (staging per reader thread where needed)."),
+             "the chunk size of each read and conversion (staging per reader thread where needed). Default: 4 MiB, "
+             "lowered from files in the page cache so staging stays within 1/128 of the bytes loaded; 8 MiB from a "
+             "cold disk (larger reads keep it busy)."),
     Argument("read_ahead_bytes", "read_ahead_bytes", "reading",
              "reads of the next submodules in flight while one is assigned (default 64 MiB; 0: none)."),
     Argument("mmap", "mmap", "reading",

@@ -26,7 +26,7 @@ from .errors import ArgumentTypeError, CheckpointNotFoundError, UnsupportedArgum
 from .fetch import FETCH_MODES
 from .settings import DEFAULT_SPAN_BYTES
 from .plan.dtypes import check_dtype_policy, parse_overrides, requested_dtype
-from .stream import DEFAULT_CHUNK_BYTES, DEFAULT_READ_AHEAD_BYTES
+from .stream import DEFAULT_READ_AHEAD_BYTES
 
 __all__ = ["LoadRequest", "HubOptions", "TPOptions", "make_request"]
 
@@ -105,8 +105,9 @@ class LoadRequest:
     key_mapping: Mapping[str, str] | None = None
     generation_config: Any = None
     output_loading_info: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Chunk size of each read and conversion (staging per worker where staging is needed)."""
+    chunk_bytes: int | None = None
+    """Chunk size of each read and conversion (staging per worker where staging is needed); None: the load
+    chooses by where the bytes come from (``PreparedLoad.stream_chunk_bytes``)."""
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES
     """Reads in flight beyond the submodule being assigned (0: one submodule at a time)."""
     mmap: bool = False
@@ -227,7 +228,7 @@ def make_request(
     output_loading_info: bool = False,
     low_cpu_mem_usage: bool | None = None,
     disable_mmap: bool | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     mmap: bool = False,
     fetch: str = "files",
@@ -337,8 +338,8 @@ def _check_read_options(
     """The arguments that steer how the bytes are read: each its type and range, or a ``ValueError`` naming it."""
     if fetch not in FETCH_MODES:
         raise ValueError(f"fetch={fetch!r} is not a fetch mode; use 'files' (into the HF cache) or 'ranges' (into memory).")
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}.")
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1):
+        raise ValueError(f"chunk_bytes must be a positive int (or None: the load chooses), got {chunk_bytes!r}.")
     if not isinstance(read_ahead_bytes, int) or isinstance(read_ahead_bytes, bool) or read_ahead_bytes < 0:
         raise ValueError(f"read_ahead_bytes must be an int >= 0 (0 reads one submodule at a time), got {read_ahead_bytes!r}.")
     if not isinstance(mmap, bool):
