@@ -1,17 +1,17 @@
 """How a cold load's reads should be issued: lowmem_hf's reader threads, chunk size and read-ahead hints, against
 transformers, each load from a dropped page cache.
 
-    python benchmarks/probe_cold.py DIR [--variants transformers lowmem w4 w16 c4m c16m hints] [--repeats 3]
+    python benchmarks/probe_cold.py DIR [--variants transformers lowmem w4 w16 c4m c16m nohints] [--repeats 3]
 
 Every load runs in a fresh child that imports everything (the model's module included) and then waits; the page
 cache is dropped (root) and the child loads ``DIR`` as bf16. The variants run in turn within each repeat, the
 order reversed every other repeat. A variant changes one of lowmem_hf's cold-read settings in the child:
 
-    lowmem     the defaults (``stream.COLD_WORKERS`` threads, ``stream.COLD_CHUNK_BYTES`` per read)
+    lowmem     the defaults (``stream.COLD_WORKERS`` threads, ``stream.COLD_CHUNK_BYTES`` per read as capped, hints)
     wN         N reader threads
-    cNm        chunks of N MiB (staging, where the dtype changes, is threads x chunk)
-    hints      each tensor's bytes announced to the kernel (``posix_fadvise(WILLNEED)``) as its reads are made
-    a+b        both settings (``c16m+hints``)
+    cNm        chunks of N MiB, as capped (``chunk_bytes=``; staging, where the dtype changes, is threads x chunk)
+    nohints    no announcements to the kernel (``posix_fadvise(WILLNEED)``) of the reads entering the window
+    a+b        both settings (``c16m+nohints``)
 
 Printed per variant: the median return time and its ratio to transformers, and the disk's rate over the load
 (``/proc/self/io`` read_bytes per second). A probe, not a benchmark: it says which setting gives the disk more;
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -60,25 +59,14 @@ def child(path: str, variant: str) -> None:
             load_stage.choose_workers = lambda cached, n=workers: n if cached is not None and cached < 0.9 else stream_stage.DEFAULT_WORKERS
         elif setting.startswith("c") and setting.endswith("m"):
             kwargs["chunk_bytes"] = int(setting[1:-1]) << 20
-        elif setting == "hints":  # what the stream no longer does, to measure it again: each tensor's bytes
-            # announced to the kernel (posix_fadvise WILLNEED) as its reads are made
-            original = load_stage.open_reader
+        elif setting == "nohints":
+            original = load_stage.stream
 
-            def announcing_reader(checkpoint, plan, source, original=original, **kw):
-                reader = original(checkpoint, plan, source, **kw)
-                jobs = reader.jobs
+            def without_hints(*a, original=original, **kw):
+                kw["read_ahead_hints"] = False
+                return original(*a, **kw)
 
-                def announce_then_jobs(info, dst, shard=None):
-                    if info.offset is not None:
-                        fd = os.open(source.path(info.file), os.O_RDONLY)
-                        os.posix_fadvise(fd, info.offset, math.prod(info.shape) * info.dtype.itemsize, os.POSIX_FADV_WILLNEED)
-                        os.close(fd)
-                    return jobs(info, dst, shard)
-
-                reader.jobs = announce_then_jobs
-                return reader
-
-            load_stage.open_reader = announcing_reader
+            load_stage.stream = without_hints
         elif setting not in ("lowmem", "transformers"):
             raise SystemExit(f"unknown setting {setting!r} in variant {variant!r}")
     print("READY", flush=True)
@@ -110,7 +98,7 @@ def run_one(path: str, variant: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
-    ap.add_argument("--variants", nargs="+", default=["transformers", "lowmem", "w4", "w16", "c4m", "c16m", "hints"])
+    ap.add_argument("--variants", nargs="+", default=["transformers", "lowmem", "w4", "w16", "c4m", "c16m", "nohints"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -113,8 +113,8 @@ ARGUMENTS: tuple[Argument, ...] = (
              "accepted for compatibility (lowmem_hf memory-maps nothing unless ``mmap=True``)."),
     Argument("chunk_bytes", "chunk_bytes", "reading",
              "the chunk size of each read and conversion (staging per reader thread where needed). Default: 4 MiB, "
-             "lowered from files in the page cache so staging stays within 1/128 of the bytes loaded; 8 MiB from a "
-             "cold disk (larger reads keep it busy)."),
+             "lowered from files in the page cache so staging stays within 1/128 of the bytes loaded; from a cold disk "
+             "8 MiB, lowered so staging stays within 1/32 (larger reads keep the disk busy)."),
     Argument("read_ahead_bytes", "read_ahead_bytes", "reading",
              "reads of the next submodules in flight while one is assigned (default 64 MiB; 0: none)."),
     Argument("mmap", "mmap", "reading",

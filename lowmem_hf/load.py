@@ -46,7 +46,7 @@ from .routing import (
 from .settings import async_load, proc_status_bytes
 from .sources import ByteSource
 from .sources.local import cached_fraction
-from .stream import COLD_CHUNK_BYTES, DEFAULT_CHUNK_BYTES, choose_workers, staging_chunk_bytes, stream
+from .stream import COLD_CHUNK_BYTES, COLD_STAGING_SHARE, DEFAULT_CHUNK_BYTES, choose_workers, loaded_bytes, staging_chunk_bytes, stream
 from .types import Checkpoint, CheckpointFormat, DtypeDecision, LoadPlan, LoadReport
 
 STAGES = ("prepare", "fetch", "stream", "finish")
@@ -82,13 +82,14 @@ class PreparedLoad:
     def stream_chunk_bytes(self) -> int:
         """The stream's chunk size: ``chunk_bytes`` as requested (by default 4 MiB) for HTTP ranges and DCP
         chunks; from local files in the page cache the same, capped so staging stays small next to what this rank
-        loads (``staging_chunk_bytes``); from a cold disk as requested, by default ``COLD_CHUNK_BYTES``."""
+        loads (``staging_chunk_bytes``); from a cold disk by default ``COLD_CHUNK_BYTES``, with the cap at
+        ``COLD_STAGING_SHARE`` rather than 128."""
         checkpoint, requested = self.checkpoint, self.request.chunk_bytes
         if not reads_local_files(checkpoint, self.request.fetch) or checkpoint.format == CheckpointFormat.DCP:
             return requested or DEFAULT_CHUNK_BYTES
         if self.cold:
-            return requested or COLD_CHUNK_BYTES
-        return staging_chunk_bytes(self.plan, requested or DEFAULT_CHUNK_BYTES, self.workers)
+            return staging_chunk_bytes(loaded_bytes(self.plan), requested or COLD_CHUNK_BYTES, self.workers, share=COLD_STAGING_SHARE)
+        return staging_chunk_bytes(loaded_bytes(self.plan), requested or DEFAULT_CHUNK_BYTES, self.workers)
 
     @cached_property
     def page_cache_fraction(self) -> float | None:
@@ -241,7 +242,7 @@ def _stream_and_assign(prepared: PreparedLoad, source: ByteSource, loading_info:
     try:
         for _, tensors, staged in stream(
             plan, reader=reader, source=source, device=request.device, stats=stats, workers=workers,
-            read_ahead_bytes=request.read_ahead_bytes,
+            read_ahead_bytes=request.read_ahead_bytes, read_ahead_hints=prepared.cold,
             into=prepared.engine.destination(model),
         ):
             _assign.assign_submodule(model, tensors, staged, loading_info, in_place=prepared.engine.in_place)

@@ -28,6 +28,7 @@ __all__ = [
     "box_runs",
     "flat_box_runs",
     "slice_tensor",
+    "element_extent",
 ]
 
 
@@ -53,6 +54,27 @@ def element_runs(shape: tuple[int, ...], spec: ShardSpec | None) -> list[tuple[i
             return []
         return [(o * stride + spec.start * inner, length) for o in range(outer)]
     return interval_runs(shape, spec.intervals)
+
+
+def element_extent(shape: tuple[int, ...], spec: ShardSpec | None) -> tuple[int, int, int]:
+    """``(first, stop, needed)`` of ``element_runs(shape, spec)`` without listing the runs: the first element, one past
+    the last, and how many the runs hold. A read-ahead hint needs only these, and a rowwise slice of a TP x FSDP mesh
+    is one run per row (thousands per tensor at 70B), so listing them twice per tensor cost more than the hint."""
+    numel = math.prod(shape)
+    if spec is None:
+        return (0, numel, numel)
+    if spec.flat:
+        return (spec.start, spec.stop, spec.stop - spec.start) if spec.stop > spec.start else (0, 0, 0)
+    intervals = spec.intervals
+    if intervals is None:
+        intervals = tuple(((spec.start, spec.stop),) if d == spec.dim else ((0, n),) for d, n in enumerate(shape))
+    needed = math.prod(sum(b - a for a, b in runs) for runs in intervals)
+    if needed == 0:
+        return (0, 0, 0)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    first = sum(runs[0][0] * stride for runs, stride in zip(intervals, strides))
+    last = sum((runs[-1][1] - 1) * stride for runs, stride in zip(intervals, strides))
+    return (first, last + 1, needed)
 
 
 def interval_runs(shape: tuple[int, ...], intervals: tuple[tuple[tuple[int, int], ...], ...]) -> list[tuple[int, int]]:

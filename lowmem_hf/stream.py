@@ -7,12 +7,11 @@ memory, and the staged inputs of converted groups), the thread pool that runs th
 and the order in which submodules are yielded.
 
 Pipelining: the reads run on a small thread pool, and the reads of the next submodules are submitted while the
-current one is assigned, up to ``read_ahead_bytes`` of reads in flight beyond it. Destinations are the final
-model's memory, so reading ahead costs no staging; submodules are still yielded (and assigned) strictly in plan
-order. From a cold disk the reads themselves keep it busy: more threads (``COLD_WORKERS``), each reading
-``COLD_CHUNK_BYTES`` at a time. Announcing each submodule's bytes to the kernel ahead of the threads
-(``posix_fadvise(WILLNEED)``) was measured against that (``benchmarks/probe_cold.py``): it helped only where the
-chunks were small, and slowed a load larger than the machine's memory by 10-20%, so nothing is announced.
+current one is assigned, up to ``read_ahead_bytes`` of reads in flight beyond it; when the files are not in the
+page cache, each submodule's reads are also announced (``Reader.hint``: the kernel is asked to read them ahead) as
+it enters that window, and read by more threads (``COLD_WORKERS``) in larger chunks (``COLD_CHUNK_BYTES``), so a
+cold disk is kept busy. Destinations are the final model's memory, so reading ahead costs no staging; submodules
+are still yielded (and assigned) strictly in plan order.
 
 Onto a CUDA device, the readers' staged copies may run on side streams (``formats.staging.CopyRing``): the stream
 tells the reader when destinations were allocated (``fence``: copies into them wait for the current stream's work)
@@ -38,16 +37,17 @@ from .sources.local import trim_heap
 from .types import ConversionRead, LoadPlan, ShardSpec, SubmodulePlan, TensorInfo, TensorRead
 
 __all__ = [
-    "stream", "staging_chunk_bytes", "choose_workers",
-    "DEFAULT_CHUNK_BYTES", "COLD_CHUNK_BYTES", "DEFAULT_WORKERS", "COLD_WORKERS", "DEFAULT_READ_AHEAD_BYTES",
+    "stream", "staging_chunk_bytes", "loaded_bytes", "choose_workers",
+    "DEFAULT_CHUNK_BYTES", "COLD_CHUNK_BYTES", "COLD_STAGING_SHARE", "DEFAULT_WORKERS", "COLD_WORKERS", "DEFAULT_READ_AHEAD_BYTES",
 ]
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-# From a cold disk, larger reads: at 8 MiB (this disk's read-ahead window) with the cold threads below, loads of
-# 2.7-27 GB checkpoints read the disk at 1.7-2.1 GB/s where 1-4 MiB reads got 1.1-1.7 (benchmarks/probe_cold.py).
-# Staging, where the dtype changes, is then COLD_WORKERS x 8 MiB, not capped by the model's size: a transient
-# 32-64 MiB that buys seconds on every cold load.
+# From a cold disk, larger reads: 8 MiB chunks (this disk's read-ahead window) read 2.7-5.5 GB checkpoints of
+# 45-940 MB tensors at 1.7-2.1 GB/s where the 1.3-2.7 MiB that the warm staging cap left got 1.1-1.7
+# (benchmarks/probe_cold.py). Their staging, where the dtype changes, may take 1/32 of the bytes loaded rather
+# than 1/128: a transient 3% that buys a quarter of a cold load's time at those widths.
 COLD_CHUNK_BYTES = 8 * 1024 * 1024
+COLD_STAGING_SHARE = 32
 DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024
 # Chunks are read by this many threads when the files are in the page cache: preadv and copy_ release the
 # GIL, so reading one chunk overlaps converting another; more threads than cores only add contention.
@@ -62,11 +62,16 @@ def choose_workers(cached: float | None) -> int:
     return DEFAULT_WORKERS if cached is None or cached >= 0.9 else COLD_WORKERS
 
 
-def staging_chunk_bytes(plan: LoadPlan, chunk_bytes: int, workers: int = DEFAULT_WORKERS) -> int:
-    """``chunk_bytes``, lowered so the staging buffers (``workers`` x chunk) stay within 1/128 of the bytes this
-    process loads (at least 256 KiB): a rank holding a quarter of a model should not pay full-model staging."""
-    local = sum(math.prod(r.local_shape) * r.decision.dtype.itemsize for r in plan.reads)
-    return min(chunk_bytes, max(256 << 10, local // (128 * workers)))
+def staging_chunk_bytes(local_bytes: int, chunk_bytes: int, workers: int = DEFAULT_WORKERS, *, share: int = 128) -> int:
+    """``chunk_bytes``, lowered so the staging buffers (``workers`` x chunk) stay within ``1/share`` of the
+    ``local_bytes`` this process loads (at least 256 KiB): a rank holding a quarter of a model should not pay
+    full-model staging."""
+    return min(chunk_bytes, max(256 << 10, local_bytes // (share * workers)))
+
+
+def loaded_bytes(plan: LoadPlan) -> int:
+    """The bytes of this process's planned tensors in their loaded dtypes."""
+    return sum(math.prod(r.local_shape) * r.decision.dtype.itemsize for r in plan.reads)
 
 
 @dataclass
@@ -89,6 +94,7 @@ def stream(
     device: torch.device,
     workers: int,
     read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+    read_ahead_hints: bool = False,
     stats: StreamStats,
     into: Callable[[TensorRead], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[SubmodulePlan, dict[str, torch.Tensor], list[tuple[ConversionRead, list[torch.Tensor]]]]]:
@@ -97,7 +103,8 @@ def stream(
     ``reader`` (``formats.open_reader``) makes the reads, from ``source``; the stream runs them on ``workers``
     threads (1: on the calling thread, no thread started) and closes both when it ends. Reads of the following
     submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0, or a source
-    whose policy has no ``read_ahead``: one submodule at a time). ``into(read)`` may name memory a read lands in (a ZeRO-3
+    whose policy has no ``read_ahead``: one submodule at a time); with ``read_ahead_hints`` (files not in the page cache) the
+    reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
     partition, filled in place); otherwise each read gets a fresh tensor. Nothing is kept between submodules but what the reader and
     source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
     and all on exit).
@@ -105,6 +112,7 @@ def stream(
     device = torch.device(device)
     _note_unused_switches(device, stats)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
+    hint = reader.hint if read_ahead_hints else None  # ~0.1 ms per call even when cached
     if not source.policy.read_ahead:
         read_ahead_bytes = 0
 
@@ -114,6 +122,8 @@ def stream(
         reader.fence(device)
         jobs = []
         for info, dst, shard in pairs:
+            if hint is not None:
+                hint(info, shard)
             jobs += reader.jobs(info, dst, shard)
         futures = [pool.submit(job) for job in jobs] if pool is not None else jobs
         return _InFlight(sub, tensors, staged, pairs, futures, _read_bytes(sub))

@@ -281,7 +281,7 @@ class LoadReport:
     the staging (reader threads x chunk) stays within 1/128 of what this rank loads."""
     page_cache_fraction: float | None = None
     """Local files: the fraction of their pages in the page cache when the load began (``mincore``); below 0.9
-    the load read them as cold (more reader threads, larger reads, no reads through gaps). None: not local."""
+    the load read them as cold (more reader threads, larger chunks, read-ahead hints, no reads through gaps). None: not local."""
     requests: int = 0
     """``fetch="ranges"``: HTTP requests this process made."""
     bytes_fetched: int = 0

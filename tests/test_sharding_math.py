@@ -93,3 +93,19 @@ def test_heads_must_divide_even_when_rows_do():
         check_head_divisibility(config, specs, 2)
 
 
+@pytest.mark.parametrize("shape, spec", [
+    ((8, 6), None),
+    ((8, 6), ShardSpec("colwise", 0, 2, 6, 1, 2)),
+    ((8, 6), ShardSpec("rowwise", 1, 3, 6, 1, 2)),
+    ((4, 6, 5), ShardSpec("rowwise", 1, 0, 0, 0, 2)),  # an empty slice
+    ((40,), ShardSpec("zero3", 0, 7, 19, 0, 1, flat=True)),
+    ((12, 10), ShardSpec("colwise", 0, 1, 11, 0, 2, intervals=(((1, 3), (7, 9)), ((0, 10),)))),
+    ((12, 10), ShardSpec("rowwise", 1, 2, 8, 0, 2, intervals=(((3, 6),), ((2, 4), (6, 8))))),
+    ((3, 12, 10), ShardSpec("x", 1, 1, 9, 0, 2, intervals=(((0, 3),), ((1, 3), (7, 9)), ((4, 5),)))),
+])
+def test_a_slice_s_extent_is_the_span_and_size_of_its_runs(shape, spec):
+    from lowmem_hf.runs import element_extent, element_runs
+
+    runs = element_runs(shape, spec)
+    expected = (runs[0][0], runs[-1][0] + runs[-1][1], sum(n for _, n in runs)) if runs else (0, 0, 0)
+    assert element_extent(shape, spec) == expected

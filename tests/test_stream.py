@@ -3,6 +3,7 @@
 import mmap
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -11,11 +12,14 @@ import transformers
 from lowmem_hf import load as load_mod
 from lowmem_hf.auto import AUTO_CLASSES
 from lowmem_hf.errors import CorruptCheckpointError
+from lowmem_hf.formats import StreamStats
 from lowmem_hf.formats.base import byte_view
+from lowmem_hf.formats.torch_pickle import TorchReader
 from lowmem_hf.runs import chunk_spans
 from lowmem_hf.sources.local import GAP_BYTES, LocalFiles, cached_fraction
 from lowmem_hf.sources.local import release_pages as _release_pages
-from lowmem_hf.stream import COLD_CHUNK_BYTES, COLD_WORKERS, DEFAULT_WORKERS
+from lowmem_hf.stream import COLD_CHUNK_BYTES, COLD_STAGING_SHARE, COLD_WORKERS, DEFAULT_WORKERS
+from lowmem_hf.types import ShardSpec, TensorInfo
 
 Causal = AUTO_CLASSES["LowMemAutoModelForCausalLM"]
 
@@ -229,7 +233,8 @@ def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
         pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
     cold = Causal.from_pretrained(path, tp_rank=0, tp_size=2).lowmem_report
     assert cold.reader_workers == COLD_WORKERS and cold.page_cache_fraction <= 0.5
-    assert cold.chunk_bytes == COLD_CHUNK_BYTES  # larger reads keep a cold disk busy, whatever the model's size
+    # larger reads from a cold disk: staging may take 1/32 of the bytes loaded, not 1/128
+    assert cold.chunk_bytes == min(COLD_CHUNK_BYTES, max(256 << 10, local_bytes // (COLD_STAGING_SHARE * COLD_WORKERS)))
     assert cold.gap_bytes == 0  # from a cold disk a gap would be device reads for nothing
 
 
@@ -240,7 +245,26 @@ def _evict(path: str) -> None:
     os.close(fd)
 
 
-def test_cold_bin_load_is_exact_and_reads_larger_chunks(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("shard", [None, ShardSpec("colwise", dim=0, start=0, stop=512, tp_rank=0, tp_size=2)], ids=["whole", "dim0-slice"])
+def test_bin_hint_reads_the_tensor_ahead_from_a_cold_disk(tmp_path, shard):
+    # .bin shards are read through torch's mapping: a cold load asks the kernel for each tensor's pages
+    # (madvise WILLNEED) when it enters the read-ahead window, instead of one small fault-driven read per thread.
+    path = str(tmp_path / "w.bin")
+    torch.save({"w": torch.randn(1024, 4096)}, path)  # 16 MiB, zip
+    _evict(path)
+    if cached_fraction([path]) > 0.1:
+        pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
+    reader = TorchReader({path: 1}, 4 << 20, True, StreamStats())
+    reader.hint(TensorInfo(key="w", file=path, dtype=torch.float32, shape=(1024, 4096), offset=None), shard)
+    wanted = 1.0 if shard is None else 0.5
+    deadline = time.monotonic() + 10
+    while cached_fraction([path]) < wanted - 0.1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached_fraction([path]) >= wanted - 0.1
+    reader.close()
+
+
+def test_cold_bin_load_with_hints_is_exact(make_checkpoint, tmp_path):
     source = make_checkpoint("llama", "bin")
     path = shutil.copytree(source, tmp_path / "llama")  # a copy nothing else maps
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".bin")]
@@ -249,8 +273,7 @@ def test_cold_bin_load_is_exact_and_reads_larger_chunks(make_checkpoint, tmp_pat
     if cached_fraction(files) > 0.5:
         pytest.skip("the kernel kept the pages in its cache (this file system ignores POSIX_FADV_DONTNEED)")
     cold = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, tp_rank=1, tp_size=2)
-    assert cold.lowmem_report.reader_workers == COLD_WORKERS  # the cold path ran
-    assert cold.lowmem_report.chunk_bytes == COLD_CHUNK_BYTES  # in reads larger than from the page cache
+    assert cold.lowmem_report.reader_workers == COLD_WORKERS  # the hinted path ran
     warm = Causal.from_pretrained(source, torch_dtype=torch.bfloat16, tp_rank=1, tp_size=2)
     for name, t in warm.state_dict().items():
         assert torch.equal(cold.state_dict()[name], t), name
@@ -304,3 +327,16 @@ def test_row_bands_of_dim1_slices_are_exact(make_checkpoint, chunk_bytes, dtype)
         spec = report.shards.get(name)
         expected = full[name].narrow(spec.dim, spec.start, spec.stop - spec.start) if spec else full[name]
         assert torch.equal(t, expected), name
+
+
+def test_cold_chunks_are_larger_than_warm_ones_at_real_sizes():
+    # 8 cold reader threads: a 1.3 GB load may stage 1/32 of it (5 MB chunks where the warm cap of 1/128 allows
+    # 1.3 MB); from 2.1 GB on, the cold chunk is COLD_CHUNK_BYTES; a tiny load stays at the 256 KiB floor
+    from lowmem_hf.stream import staging_chunk_bytes
+
+    gb = 10**9
+    assert staging_chunk_bytes(1_300_000_000, COLD_CHUNK_BYTES, 8, share=COLD_STAGING_SHARE) == 1_300_000_000 // 256
+    assert staging_chunk_bytes(1_300_000_000, 4 << 20, 8) == 1_300_000_000 // 1024
+    assert staging_chunk_bytes(13 * gb, COLD_CHUNK_BYTES, 8, share=COLD_STAGING_SHARE) == COLD_CHUNK_BYTES
+    assert staging_chunk_bytes(10**6, COLD_CHUNK_BYTES, 8, share=COLD_STAGING_SHARE) == 256 << 10
+    assert staging_chunk_bytes(13 * gb, 1 << 20, 8, share=COLD_STAGING_SHARE) == 1 << 20  # an explicit chunk_bytes is a ceiling

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..runs import chunk_runs, element_runs
+from ..runs import chunk_runs, element_extent, element_runs
 from ..sources import ByteSource
 from ..types import ShardSpec, TensorInfo
 from .staging import Staging
@@ -30,6 +30,9 @@ class Reader:
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         """Reads that together fill ``dst`` with ``info``'s tensor (or its ``shard`` slice); safe to run at once."""
         raise NotImplementedError
+
+    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
+        """Files not in the page cache: announce the bytes these jobs will need, as they enter the read-ahead window."""
 
     def view(self, info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], shard: ShardSpec | None, device) -> torch.Tensor | None:
         """``mmap=True``: the tensor as a view of its file, read by no job; None: read it."""
@@ -75,6 +78,15 @@ class RangeReader(Reader):
         self._staging = Staging(stats)
         self._chunk_bytes = chunk_bytes
         self._stats = stats
+
+    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
+        """Announce the bytes this tensor (slice) will need, so a cold file is read ahead of the workers."""
+        first, last, needed = element_extent(info.shape, shard)
+        if not needed:
+            return
+        itemsize = info.dtype.itemsize
+        if needed * 2 >= last - first:  # dense enough that reading the gaps too costs less than it saves
+            self._source.will_need(info.file, info.offset + first * itemsize, info.offset + last * itemsize)
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         """Independent chunk reads that together fill ``dst`` with the tensor (or its ``shard`` slice).

@@ -5,7 +5,8 @@ unpickled onto ``meta``), where each tensor's bytes are in the file, checked aga
 (``zip_archive.read_archive``, ``read_storages``), and reading them (``TorchReader``).
 
 - zip: every storage is one uncompressed member ``<archive>/data/<key>``; a row-major tensor is one byte range of
-  the file, read with ``preadv`` like a safetensors tensor (``base.RangeReader``: slices, staging). Not through ``torch.load(mmap=True)``: a file truncated or rewritten under a mapping kills the process
+  the file, read with ``preadv`` like a safetensors tensor (``base.RangeReader``: slices, staging, read-ahead
+  hints). Not through ``torch.load(mmap=True)``: a file truncated or rewritten under a mapping kills the process
   with SIGBUS when a page is touched, where ``preadv`` returns short and the error names the file. The archive is
   read again through the reader's own descriptor when its first tensor is read (every tensor must still be where
   the plan found it) and its directory once more after its last (a file rewritten in between is an error, not a
@@ -326,6 +327,12 @@ class TorchReader(RangeReader):
     def _raw(self, info: TensorInfo, opened: _Opened, where: StoredTensor) -> TensorInfo | None:
         offset = _raw_offset(where, opened.archive, opened.byte_order)
         return replace(info, offset=offset) if offset is not None else None
+
+    def hint(self, info: TensorInfo, shard: ShardSpec | None) -> None:
+        opened, where = self._located(info)
+        raw = self._raw(info, opened, where) if where is not None else None
+        if raw is not None:
+            super().hint(raw, shard)
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         opened, where = self._located(info)

@@ -3,7 +3,7 @@
 A reader asks for ``(file, offset)`` into views it owns (a destination tensor's memory or a staging buffer);
 the source decides how the bytes arrive:
 
-- ``local.LocalFiles``: ``preadv`` from local files (also a file's path and mapping, and whether its pages are cached);
+- ``local.LocalFiles``: ``preadv`` from local files (also a file's path and mapping, and page-cache hints);
 - ``http.HttpRanges``: HTTP Range requests through huggingface_hub, nothing written to disk;
 - ``exchange.CooperativeRanges``: under a process group, every byte fetched once by one rank; each rank receives the parts it reads.
   (``schedule``, ``pieces`` and ``wave_status`` are its parts.)
@@ -38,7 +38,7 @@ class ReadPolicy:
 class ByteSource:
     """The protocol every byte source keeps. A default here is what a source without that capability does.
 
-    Readers call ``read``/``read_runs`` (from several threads at once), ``populate`` and ``release``; the stream
+    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
     calls ``before_submodule``, follows ``policy``, and calls ``close`` once every read is done; the load report
     reads the counters.
     """
@@ -72,6 +72,9 @@ class ByteSource:
     def count_gap(self, nbytes: int) -> None:
         """Count ``nbytes`` a reader read between runs and dropped (sources whose ``policy.gap_bytes`` is not 0 only)."""
         raise NotImplementedError(f"{type(self).__name__} reads no gaps (its policy.gap_bytes is 0)")
+
+    def will_need(self, file: str, start: int, stop: int) -> None:
+        """A hint: ``[start, stop)`` of ``file`` will be read soon (files not in the page cache)."""
 
     def before_submodule(self, name: str) -> None:
         """The stream is about to make the reads of submodule ``name``."""

@@ -1,8 +1,9 @@
 """Local files: ``preadv`` into the reader's views, one descriptor per file, closed after the file's last read.
 
 Also what only a local file offers: its path (for torch's own loader), a private mapping of it (``mmap=True``
-leaves the tensors as views of it), and whether its pages are in the page cache (``cached_fraction``), which
-decides how the stream reads (more threads and larger reads from a cold disk, reads through gaps from a warm one).
+leaves the tensors as views of it), read-ahead hints to the kernel, whether its pages are in the page cache
+(``cached_fraction``), which decides how the stream reads (more threads and hints from a cold disk, reads
+through gaps from a warm one).
 
 Tensors are never converted straight from a mapping of the file during a load: a file cut while mapped kills the
 process with SIGBUS, and on the machines measured (benchmarks/README.md) mapped windows, even under a kernel read
@@ -28,7 +29,7 @@ from ..errors import CorruptCheckpointError
 from ..types import file_identity
 from . import ByteSource, ReadPolicy
 
-__all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "trim_heap"]
+__all__ = ["LocalFiles", "GAP_BYTES", "cached_fraction", "release_pages", "trim_heap", "will_need_pages"]
 
 # Linux returns at most this many bytes from one read/preadv call.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
@@ -40,6 +41,7 @@ _IOV_MAX = 1024
 # instead of 2048). Measured, 2 GB fp32 Llama -> bf16, tp_rank 0 of 2 in one process, warm: 0.57-0.79 s against
 # 0.92-1.27 s with a call per row. Never from a cold disk: there a gap is bytes read from the device for nothing.
 GAP_BYTES = 32 * 1024
+_MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 # Views smaller than this are not populated first (a dim-1 slice's rows, headers): one more syscall each would
@@ -51,7 +53,7 @@ def cached_fraction(paths: list[str]) -> float | None:
     """Fraction of the files' pages that are in the page cache (``mincore`` on a mapping), None if unknown.
 
     Written by hand: Python exposes no ``mincore``; the answer decides whether the load is I/O-bound (more
-    reader threads, larger reads). Mapping a file maps no page in; sampling keeps the question ~0.1 ms per file.
+    reader threads, read-ahead hints). Mapping a file maps no page in; sampling keeps the question ~0.1 ms per file.
     """
     libc, page, resident, total = _libc(), mmap.PAGESIZE, 0, 0
     for path in paths:
@@ -144,7 +146,7 @@ class LocalFiles(ByteSource):
     """Byte source over local files: ``preadv``, one descriptor per file, closed after the file's last tensor.
 
     Also what only a local file offers: its path (``path``), a private mapping of the file (``mapping``) that
-    ``mmap=True`` leaves as the tensors.
+    ``mmap=True`` leaves as the tensors, and read-ahead hints (``will_need``).
     """
 
     def __init__(
@@ -240,6 +242,11 @@ class LocalFiles(ByteSource):
                     mm = self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         return mm
 
+    def will_need(self, file: str, start: int, stop: int) -> None:
+        """Ask the kernel to start reading ``[start, stop)`` of ``file`` now (asynchronously)."""
+        if hasattr(os, "posix_fadvise") and stop > start:
+            os.posix_fadvise(self._fd(file), start, stop - start, os.POSIX_FADV_WILLNEED)
+
     def release(self, file: str) -> None:
         """Every read of ``file`` is done: check it is still the file that was opened, close it.
 
@@ -301,6 +308,11 @@ def release_pages(t: torch.Tensor) -> None:
     mapping is private and never written, so the kernel re-reads a dropped page from the file if touched again.
     """
     _advise(t.data_ptr(), t.numel() * t.element_size(), _MADV_DONTNEED)
+
+
+def will_need_pages(start: int, length: int) -> None:
+    """Ask the kernel to read in the pages of ``[start, start + length)`` of this process's memory (a file mapping) now."""
+    _advise(start, length, _MADV_WILLNEED)
 
 
 def _advise(start: int, length: int, advice: int) -> None:
