@@ -42,16 +42,25 @@ class Reader:
         """Account one finished tensor (``nbytes`` read)."""
         raise NotImplementedError
 
+    _staging: Staging | None = None
+    """The reader's staging buffers and the copies out of them, where it stages (the three methods below)."""
+
     def fence(self, device: torch.device) -> None:
         """The destinations on ``device`` of the jobs about to run were just allocated on the calling thread's
         current stream."""
+        if self._staging is not None:
+            self._staging.fence(device)
 
     def publish(self) -> None:
         """Every finished job's copies are visible to the calling thread's current stream (a device destination
         may be written on other streams)."""
+        if self._staging is not None:
+            self._staging.publish()
 
     def close(self) -> None:
-        """Release what the reader holds (every job has finished)."""
+        """Release what the reader holds (every job has finished): a staging reader waits for its copies."""
+        if self._staging is not None:
+            self._staging.close()
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -200,15 +209,6 @@ class RangeReader(Reader):
 
     def finished(self, file: str) -> None:
         """Every planned read of ``file`` is done; its source still holds it (a format may check it here)."""
-
-    def fence(self, device: torch.device) -> None:
-        self._staging.fence(device)
-
-    def publish(self) -> None:
-        self._staging.publish()
-
-    def close(self) -> None:
-        self._staging.close()
 
 
 class SourceFile(io.RawIOBase):

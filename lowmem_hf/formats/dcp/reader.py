@@ -147,14 +147,8 @@ class DcpReader(Reader):
     def done(self, info: TensorInfo, nbytes: int) -> None:
         self._stats.read(nbytes)  # through the progress bar, as every reader
 
-    def fence(self, device: torch.device) -> None:
-        self._staging.fence(device)
-
-    def publish(self) -> None:
-        self._staging.publish()
-
     def close(self) -> None:
-        self._staging.close()
+        super().close()
         with self._lock:
             self._located.clear()
             self._stats.header_bytes += self._extra
