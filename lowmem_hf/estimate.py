@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import settings
 from .formats import FORMATS
 from .types import Checkpoint, CheckpointFormat, LoadPlan
 
@@ -85,13 +86,18 @@ def final_bytes(model: torch.nn.Module, plan: LoadPlan) -> int:
     return total
 
 
-def _staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, chunk_bytes: int, workers: int) -> int:
+def _staging_bytes(plan: LoadPlan, checkpoint: Checkpoint, *, chunk_bytes: int, workers: int, device: torch.device) -> int:
     """The stream's largest host footprint beyond the destinations: its reader's (``formats/``), or a converted group."""
     converted = [r for r in plan.reads if r.decision.dtype != r.source.dtype]
+    onto_device = torch.device(device).type == "cuda"
     # each worker thread's buffer grows to the largest chunk it stages: at most chunk_bytes, at most one tensor
-    largest = max((math.prod(r.local_shape) * r.source.dtype.itemsize for r in (converted or plan.reads)), default=0)
+    staged = plan.reads if onto_device else (converted or plan.reads)
+    largest = max((math.prod(r.local_shape) * r.source.dtype.itemsize for r in staged), default=0)
     per_worker = min(chunk_bytes, largest)
-    reader = FORMATS[checkpoint.format].staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=bool(converted))
+    if onto_device:  # every chunk goes through pinned host staging, two buffers per thread while copies overlap reads
+        reader = workers * per_worker * (1 if settings.gpu_overlap() is False else 2)
+    else:
+        reader = FORMATS[checkpoint.format].staging_bytes(plan, checkpoint, workers=workers, per_worker=per_worker, converted=bool(converted))
     groups = [
         sum(math.prod(i.shape) * c.decision.dtype.itemsize for _, i in c.sources)
         for s in plan.submodules
@@ -122,6 +128,7 @@ def estimate_plan(
     workers: int,
     cached: Iterable[str] = (),
     fetch: str = "files",
+    device: torch.device | str = "cpu",
 ) -> PlanEstimate:
     """Predict one rank's load from its plan (``cached``: repo paths already in the HF cache)."""
     by_file = _bytes_by_file(plan)
@@ -134,7 +141,7 @@ def estimate_plan(
             remote: Mapping = checkpoint.remote
             download = sum(remote[f].size for f in missing if f in remote)
     final = final_bytes(model, plan)
-    staging = _staging_bytes(plan, checkpoint, chunk_bytes=chunk_bytes, workers=workers)
+    staging = _staging_bytes(plan, checkpoint, chunk_bytes=chunk_bytes, workers=workers, device=device)
     return PlanEstimate(
         rank=rank,
         files=plan.files,

@@ -116,7 +116,7 @@ class PreparedLoad:
             self.model, self.plan, self.checkpoint,
             rank=self.engine.rank,
             chunk_bytes=self.stream_chunk_bytes, workers=self.workers,
-            cached=self.checkpoint.local_paths, fetch=self.request.fetch,
+            cached=self.checkpoint.local_paths, fetch=self.request.fetch, device=self.request.device,
         )
 
 

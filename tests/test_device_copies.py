@@ -1,6 +1,7 @@
 """Copies of staged chunks to a device (``CopyRing``): the order that lets reads overlap copies, run on the CPU with a
 thread standing in for a CUDA side stream, and the switches that turn it off."""
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -253,3 +254,24 @@ def test_a_training_checkpoint_through_the_ring_equals_the_plain_load(tmp_path, 
     assert sum(lane.submitted for lane in ThreadLane.instances[lanes:]) > 0
     for name, t in plain.state_dict().items():
         assert torch.equal(got.state_dict()[name], t), name
+
+
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_the_dry_run_predicts_the_pinned_staging_of_a_cuda_load(make_checkpoint, monkeypatch, overlap):
+    # onto a CUDA device every chunk is staged, the same dtype too (a device destination cannot take a preadv),
+    # in two buffers per reader thread while copies overlap reads; planning needs no device
+    from lowmem_hf.load import prepare
+    from lowmem_hf.request import make_request
+
+    monkeypatch.setenv("LOWMEM_HF_GPU_OVERLAP", overlap)
+    path = make_checkpoint("llama", "sharded")
+    on_cpu = prepare(make_request(transformers.AutoModelForCausalLM, path)).estimate()
+    # the request as a CUDA load makes it (this machine has no device to validate one against)
+    cuda = dataclasses.replace(make_request(transformers.AutoModelForCausalLM, path), device=torch.device("cuda", 0))
+    prepared = prepare(cuda)
+    on_cuda = prepared.estimate()
+    largest = max(r.source.dtype.itemsize * torch.Size(r.local_shape).numel() for r in prepared.plan.reads)
+    per_thread = min(prepared.stream_chunk_bytes, largest)
+    assert on_cpu.staging_bytes == 0  # same dtype onto the CPU: straight into the destinations
+    assert on_cuda.staging_bytes == prepared.workers * per_thread * (2 if overlap == "1" else 1)
+    assert on_cuda.predicted_peak_bytes == on_cuda.final_bytes + on_cuda.staging_bytes
