@@ -102,6 +102,7 @@ import contextlib
 import fnmatch
 import hashlib
 import http.server
+import itertools
 import json
 import os
 import re
@@ -158,6 +159,8 @@ class RequestRecord:
     cut: bool = False  # the connection was cut by a fault knob
     corrupted: bool = False  # body bytes were flipped by corrupt_next()
     headers: Mapping[str, str] = field(default_factory=dict)  # request headers, lower-cased names
+    arrived: int = 0  # the order the server began answering it in: a record is kept once its answer is sent, and
+    # a short answer on the other listener (the redirect's target) can be sent before the redirect's own finishes
 
 
 @dataclass
@@ -289,6 +292,7 @@ class HubServer:
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
+        self._arrivals = itertools.count(1)
         self._repos: dict[str, _Repo] = {}
         self._hash_cache: dict[tuple, tuple[str, str | None]] = {}
         self._records: list[RequestRecord] = []
@@ -747,9 +751,10 @@ class HubServer:
 
     @property
     def requests(self) -> list[RequestRecord]:
+        """Every request answered since the last ``reset_counters``, in the order they arrived."""
         self.settle()
         with self._lock:
-            return list(self._records)
+            return sorted(self._records, key=lambda r: r.arrived)
 
     @property
     def bytes_sent(self) -> int:
@@ -856,6 +861,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self):
         with self.hub._inflight_request():
             self._ctx = {"repo_id": None, "filename": None, "revision": None, "commit": None}
+            self._arrived = next(self.hub._arrivals)
             self._sent = 0
             self._cut = False
             self._corrupted = False
@@ -886,7 +892,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return RequestRecord(
             method=self.command, path=self.path, range=self.headers.get("Range"), status=self._status,
             bytes_sent=self._sent, client=self.headers.get("X-Client-Id") or self.client_address[0],
-            origin=self.server.origin, cut=self._cut, corrupted=self._corrupted, headers=headers, **self._ctx,
+            origin=self.server.origin, cut=self._cut, corrupted=self._corrupted, headers=headers, arrived=self._arrived,
+            **self._ctx,
         )
 
     def _start(self, status: int, headers: Mapping[str, str]) -> None:
