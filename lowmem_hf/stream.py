@@ -42,10 +42,10 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-# From a cold disk, larger reads: 8 MiB chunks (this disk's read-ahead window) read 2.7-5.5 GB checkpoints of
-# 45-940 MB tensors at 1.7-2.1 GB/s where the 1.3-2.7 MiB that the warm staging cap left got 1.1-1.7
-# (benchmarks/probe_cold.py). Their staging, where the dtype changes, may take 1/32 of the bytes loaded rather
-# than 1/128: a transient 3% that buys a quarter of a cold load's time at those widths.
+# From a cold disk, larger reads: 8 MiB chunks (the test disk's read-ahead window) where the warm staging cap
+# leaves 1.3-2.7 MiB at 7B-70B widths. bench_shapes.py --cache cold measured them at 0.84-1.03x the time of the
+# capped chunks (0.71-0.93x transformers'), and at 27 GB 0.94x the 4 MiB chunks (probe_cold.py). Their staging,
+# where the dtype changes, may take 1/32 of the bytes loaded rather than 1/128: a transient 3% at most.
 COLD_CHUNK_BYTES = 8 * 1024 * 1024
 COLD_STAGING_SHARE = 32
 DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024
