@@ -39,9 +39,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
 # checkpoints and measure (which imports lowmem_hf) are imported in main, after --wheels has put the carried
-# transformers first on the path: the machine's own may be older than lowmem_hf's floor
+# transformers first on the path: the machine's own may be older than lowmem_hf's floor. main puts this folder on
+# the path itself (run as a script it is there already): imported by the tests, this module must not put
+# benchmarks/checkpoints.py before tests/checkpoints.py
 
 LOADERS = ("lowmem", "transformers", "safetensors")  # timed, alternating
 VARIANTS = ("lowmem-map", "lowmem-ambient")  # checked for equality once (fp32 case)
@@ -206,6 +207,8 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     args = parse(argv)
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
