@@ -19,7 +19,8 @@ alternating within each repeat; ``bare`` (one process) is every tensor read and 
 floor both loaders are read against. Printed per row: medians of lowmem_hf's and transformers' return times,
 their ratio, the repeats lowmem_hf won, each loader as a multiple of bare, both loaders' time to the end of a first
 in-place write of every parameter (where transformers' parameters are views of the files it mapped, as for a
-checkpoint loaded in its stored dtype, its return is early and the write pays the reads), and lowmem_hf's peak
+checkpoint loaded in its stored dtype, its return is early and the write pays the reads; there lowmem_hf with
+``mmap=True``, which returns such views too, is timed beside it), and lowmem_hf's peak
 RssAnon and VmHWM above the post-import baseline per final model byte. ``--against REV`` adds lowmem_hf as of a
 git revision, timed in the same rounds, to measure a change against what it replaces. Exit status 1 only if a child
 failed.
@@ -59,10 +60,13 @@ def checkpoint(workdir: Path, shape: str, stored: torch.dtype, fmt: str) -> Path
 
 
 def measure(path: Path, dtype: str, ranks: int, cache: str, repeats: int, logdir: Path, tag: str,
-            against: str | None = None) -> dict[str, list[dict]]:
+            against: str | None = None, views: bool = False) -> dict[str, list[dict]]:
     """Every loader's runs on one checkpoint, alternating within each repeat (in reverse order every other repeat,
-    so no loader always runs first); per run, the job's slowest rank."""
-    loaders = ("lowmem", "transformers") + ((f"lowmem@{against}",) if against else ()) + (("bare",) if ranks == 1 else ())
+    so no loader always runs first); per run, the job's slowest rank. With ``views`` (a safetensors checkpoint
+    loaded in its stored dtype, one process) also lowmem_hf with ``mmap=True``, which returns views of the files as
+    transformers does (it refuses dim-1 TP slices and ``.bin``)."""
+    loaders = (("lowmem", "transformers") + (("lowmem-mmap",) if views else ())
+               + ((f"lowmem@{against}",) if against else ()) + (("bare",) if ranks == 1 else ()))
     runs: dict[str, list[dict]] = {loader: [] for loader in loaders}
     for rep in range(repeats):
         for loader in loaders if rep % 2 == 0 else loaders[::-1]:
@@ -87,11 +91,13 @@ def row(runs: dict[str, list[dict]]) -> str:
     if previous:  # the change measured against what it replaces, in the same run
         won_previous = sum(a["load_seconds"] < b["load_seconds"] for a, b in zip(runs["lowmem"], runs[previous]))
         floors += f" | {med['lowmem'] / med[previous]:.2f}x ({won_previous}/{len(runs['lowmem'])})"
+    views = (f"{med['lowmem-mmap']:.2f} s = {med['lowmem-mmap'] / med['transformers']:.2f}x"
+             if "lowmem-mmap" in runs else "-")
     rss = statistics.median(r["rss_anon"] for r in runs["lowmem"])
     hwm = statistics.median(r["vmhwm"] for r in runs["lowmem"])
     tf_rss = statistics.median(r["rss_anon"] for r in runs["transformers"])
     return (f"{med['lowmem']:.2f} s | {med['transformers']:.2f} s | **{med['lowmem'] / med['transformers']:.2f}x** | "
-            f"{won}/{len(runs['lowmem'])} | {floors} | {write['lowmem']:.2f} s / {write['transformers']:.2f} s = "
+            f"{won}/{len(runs['lowmem'])} | {views} | {floors} | {write['lowmem']:.2f} s / {write['transformers']:.2f} s = "
             f"{write['lowmem'] / write['transformers']:.2f}x | {rss:.3f}x ({rss / tf_rss:.2f}x tf) | {hwm:.3f}x")
 
 
@@ -126,17 +132,19 @@ def main(argv=None) -> int:
                 for cache in caches:
                     for ranks in args.ranks:
                         tag = f"{shape} {case} {fmt} {cache} {ranks}r"
-                        runs = measure(path, dtype, ranks, cache, args.repeats, logdir, tag.replace(" ", "-"), against)
+                        runs = measure(path, dtype, ranks, cache, args.repeats, logdir, tag.replace(" ", "-"), against,
+                                       views=(fmt == "safetensors" and ranks == 1
+                                              and str(stored).removeprefix("torch.") == dtype))
                         table.append(f"| {shape} | {case} | {fmt} | {cache} | {ranks} | {row(runs)} |")
 
     print(f"\nmedians of {args.repeats}, loaders alternating; ratio = lowmem_hf / transformers; won = repeats lowmem_hf "
-          "returned no later; x bare = return time / bare's (one process); first write = from the start of the load to the "
+          "returned no later; mmap=True = lowmem_hf returning views of the files, as transformers does in the stored dtype; x bare = return time / bare's (one process); first write = from the start of the load to the "
           "end of a first in-place write of every parameter; memory = lowmem_hf's peak above the "
           "post-import baseline per model byte (RssAnon also against transformers')")
-    print("| shape | case | format | cache | ranks | lowmem_hf | transformers | ratio | won | lowmem_hf x bare | "
+    print("| shape | case | format | cache | ranks | lowmem_hf | transformers | ratio | won | mmap=True / transformers | lowmem_hf x bare | "
           "transformers x bare | " + (f"lowmem_hf x lowmem@{against} (won) | " if against else "")
           + "first write, lowmem_hf / transformers | RssAnon | VmHWM |")
-    print("| --- " * (15 if against else 14) + "|")
+    print("| --- " * (16 if against else 15) + "|")
     print("\n".join(table))
     return 0
 
