@@ -223,10 +223,11 @@ def _distcp_by_ranges(pinned: PinnedStore, level: list[str]) -> Checkpoint:
     DCP's metadata says which byte range of which ``.distcp`` file holds each chunk; ``resolve_dcp`` reads it and
     checks every range against its file's size. It runs on a folder of its own holding the metadata (mirrored) and,
     for each ``.distcp`` object, a sparse file of the object's size (no disk, never read: the load reads the
-    ``remote`` objects through the store, keyed by those paths), removed once the layout is read.
+    ``remote`` objects through the store), removed once the layout is read. The checkpoint then names each
+    ``.distcp`` file by its object's name (``_named_by_objects``), the same on every rank.
     """
     layout_dir = tempfile.mkdtemp(prefix="lowmem-dcp-layout-")
-    remote = {}
+    names = {}
     try:
         metadata = inside_folder(pinned.path(dcp.DCP_METADATA), pinned.mirror, what="The DCP metadata is")
         shutil.copyfile(metadata, os.path.join(layout_dir, dcp.DCP_METADATA))
@@ -234,12 +235,27 @@ def _distcp_by_ranges(pinned: PinnedStore, level: list[str]) -> Checkpoint:
             path = os.path.join(layout_dir, posixpath.basename(name))
             with open(path, "wb") as f:
                 f.truncate(pinned.objects[name].size)
-            remote[path] = pinned.objects[name]
-        checkpoint = resolve_dcp(layout_dir)
+            names[path] = name
+        checkpoint = _named_by_objects(resolve_dcp(layout_dir), names)
     finally:
         shutil.rmtree(layout_dir, ignore_errors=True)
     return replace(
-        checkpoint, name_or_path=pinned.store.url, remote=remote, store=pinned.store, config_dir=pinned.mirror,
+        checkpoint, name_or_path=pinned.store.url, remote={name: pinned.objects[name] for name in names.values()},
+        store=pinned.store, config_dir=pinned.mirror,
+    )
+
+
+def _named_by_objects(checkpoint: Checkpoint, names: Mapping[str, str]) -> Checkpoint:
+    """``checkpoint`` with every file of its layout folder (a temporary path, another on every rank) named by its
+    object instead: under a process group the cooperative fetch schedules byte runs of files by name across the
+    ranks, and errors name the object. The local files' identities go: the objects are pinned by their ETags."""
+    def named(path: str) -> str:
+        return names.get(path, path)
+
+    chunks = {key: tuple(replace(c, file=named(c.file)) for c in stored) for key, stored in checkpoint.layout.chunks.items()}
+    return replace(
+        checkpoint, files=tuple(named(f) for f in checkpoint.files), layout=replace(checkpoint.layout, chunks=chunks),
+        tensors={key: replace(info, file=named(info.file)) for key, info in checkpoint.tensors.items()}, identities={},
     )
 
 

@@ -301,14 +301,19 @@ def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_r
     mp.spawn(_tp_worker, args=(world, free_port(), folder, urls, s3.storage_options(), str(tmp_path)), nprocs=world, join=True)
     every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert all(e[kind]["same"] and e[kind]["n"] > 0 for e in every for kind in ("dcp", "fsdp")), every
-    results = [e["safetensors"] for e in every]
-    stored = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
-    for r in results:
-        assert r["same"] and r["n"] > 0, r
-        assert r["received"] <= r["local_bytes"], r  # a rank receives at most what its plan reads
-    assert sum(r["fetched"] for r in results) <= stored  # every byte fetched once per job, by one rank
-    assert all(e["dcp"]["fetched"] < 0.75 * stored for e in every)  # DCP: each rank reads the ranges of its slices
-    assert all(r["received"] > 0 for r in results)  # the ranks exchanged what the other fetched
+    stored = {
+        "safetensors": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors")),
+        "dcp": sum(info["size"] for info in s3.fs().ls(urls["dcp"], detail=True) if info["name"].endswith(".distcp")),
+    }
+    for kind in ("safetensors", "dcp"):  # the safetensors checkpoint, and the DCP one resumed at tp 2
+        results = [e[kind] for e in every]
+        for r in results:
+            assert r["same"] and r["n"] > 0, (kind, r)
+            assert r["received"] <= r["local_bytes"], (kind, r)  # a rank receives at most what its plan reads
+        # every byte fetched once per job, by one rank; a .distcp chunk's archive header (about 1 KiB) is read by
+        # each rank that reads the chunk, to find where its bytes start
+        assert sum(r["fetched"] for r in results) <= stored[kind] * (1.02 if kind == "dcp" else 1), kind
+        assert all(r["received"] > 0 for r in results), kind  # the ranks exchanged what the other fetched
 
 
 def test_a_dcp_checkpoint_written_to_the_store_by_fsspec_writer_resumes(s3, tmp_path):

@@ -7,13 +7,12 @@ Where the checkpoint is (``checkpoint_kind``):
   cached, or any Hub checkpoint offline): the files missing from the cache are downloaded first;
 - ``"hub-ranges"``: a Hub safetensors checkpoint with files not in the cache, whose bytes can be read over HTTP;
 - ``"store-ranges"``: a safetensors checkpoint in object storage (``s3://...``, any fsspec store);
-- ``"store-chunks"``: a DCP checkpoint (``.distcp``) in object storage, whose chunks each rank reads by ranges
-  (not cooperatively: the exchange's schedule is safetensors byte offsets).
+- ``"store-chunks"``: a DCP checkpoint (``.distcp``) in object storage, whose chunks are read by ranges.
 
-``"hub-ranges"`` under ``fetch="ranges"`` and ``"store-ranges"`` under either mode read tensor bytes into memory
-without a local file (an object store has no cache to download into: its ``.bin`` and DCP files are downloaded at
-resolve and are ``"local"``); under a process group the ranks then fetch together (each byte once,
-``sources.exchange``).
+``"hub-ranges"`` under ``fetch="ranges"``, and ``"store-ranges"`` and ``"store-chunks"`` under either mode, read
+tensor bytes into memory without a local file (an object store has no cache to download into: its ``.bin`` files
+are downloaded at resolve and are ``"local"``); under a process group the ranks then fetch together (each byte
+once, ``sources.exchange``; a DCP checkpoint's chunks are located first, ``formats.dcp.CooperativeChunks``).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..distributed.group import current_group, world_size
+from ..formats.dcp import CooperativeChunks
 from ..sources import ByteSource
 from ..sources.exchange import CooperativeRanges
 from ..sources.http import HttpRanges
@@ -84,6 +84,13 @@ def _cooperative_store_ranges(checkpoint: Checkpoint, plan: LoadPlan, told: Fetc
     )
 
 
+def _cooperative_store_chunks(checkpoint: Checkpoint, plan: LoadPlan, told: FetchOptions) -> ByteSource:
+    return CooperativeChunks(
+        checkpoint, plan, ObjectStoreRanges(checkpoint.remote, checkpoint.store),
+        span_bytes=told.span_bytes, synchronous=told.synchronous,
+    )
+
+
 SOURCES: dict[tuple[str, str, bool], Callable[[Checkpoint, LoadPlan, FetchOptions], ByteSource]] = {
     # (where the checkpoint is, fetch mode, under a process group): the byte source
     ("local", "files", False): _local_files,
@@ -103,9 +110,9 @@ SOURCES: dict[tuple[str, str, bool], Callable[[Checkpoint, LoadPlan, FetchOption
     ("store-ranges", "ranges", False): _store_ranges,
     ("store-ranges", "ranges", True): _cooperative_store_ranges,
     ("store-chunks", "files", False): _store_ranges,
-    ("store-chunks", "files", True): _store_ranges,
+    ("store-chunks", "files", True): _cooperative_store_chunks,
     ("store-chunks", "ranges", False): _store_ranges,
-    ("store-chunks", "ranges", True): _store_ranges,
+    ("store-chunks", "ranges", True): _cooperative_store_chunks,
 }
 _LOCAL = (_local_files, _downloaded_files)
 

@@ -53,7 +53,7 @@ from ..types import LoadPlan, RemoteFile
 from . import ByteSource, ReadPolicy
 from .http import HttpRanges
 from .pieces import Pieces, lay_out_wave, wave_buffer
-from .schedule import FETCH_THREADS, Span, default_wave_bytes, rank_runs, schedule_spans, wave_span_bytes
+from .schedule import FETCH_THREADS, RankRuns, Span, default_wave_bytes, rank_runs, schedule_spans, wave_span_bytes
 from .wave_status import WaveStatuses
 
 __all__ = ["CooperativeRanges"]
@@ -80,12 +80,15 @@ class CooperativeRanges(ByteSource):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         synchronous: bool = False,
         ranges: ByteSource | None = None,
+        runs: RankRuns | None = None,
     ):
         """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``).
-        ``ranges``: the source each span is fetched from (an object store's); default the Hub's ``HttpRanges``."""
+        ``ranges``: the source each span is fetched from (an object store's); default the Hub's ``HttpRanges``.
+        ``runs``: this rank's byte runs, where they are not the plan's tensor offsets (``rank_runs``): a DCP
+        checkpoint's chunks start inside their files' archives."""
         self._http = ranges if ranges is not None else HttpRanges(remote, token=token, local=local)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
-        runs = rank_runs(plan)
+        runs = rank_runs(plan) if runs is None else runs
         gathered: list = [None] * self._world
         dist.all_gather_object(gathered, runs)
         span_bytes = wave_span_bytes(span_bytes, self._world)
@@ -105,8 +108,9 @@ class CooperativeRanges(ByteSource):
         self._held: dict[str, Pieces] = {}  # file -> the bytes of the current wave this rank holds
         self._lock = threading.Lock()
         self._statuses = WaveStatuses(timeout_s=timeout_s)
-        self.requests = 0
-        self.bytes_fetched = 0
+        # what ``ranges`` fetched before the waves (a DCP checkpoint's chunk headers) counts too
+        self.requests = self._http.requests
+        self.bytes_fetched = self._http.bytes_fetched
         self.bytes_received = 0
 
     # -- the stream's hooks ------------------------------------------------------------------------------------

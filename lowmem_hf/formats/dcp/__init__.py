@@ -14,8 +14,9 @@ global shapes, dtypes, every chunk's offsets and sizes, which file and byte rang
 reading only the part of a chunk that overlaps this rank's slice. DCP's ``FileSystemReader.read_data``
 ``torch.load``s every stored chunk whole before narrowing it, so every TP rank reads (and holds) whole
 chunks; the safetensors reader maps whole files. Here each rank reads only the byte runs of the overlap
-from its byte source (``LocalFiles``: ``preadv``), straight into its destination, through the same staging as
-the Hub-format readers.
+from its byte source (``LocalFiles``: ``preadv``; an object store's ranges, or under a process group their
+cooperative fetch, ``CooperativeChunks``), straight into its destination, through the same staging as the
+Hub-format readers.
 
 Also ours: checking the metadata before any tensor byte is read, with the rules DCP applies to what it saves
 (``check_chunks``: every chunk a box inside its tensor, no two sharing an element), every byte range inside its
@@ -33,7 +34,7 @@ from .coverage import check_complete, check_covered
 from .layout import (
     DCP_METADATA, DISTCP_SUFFIX, HF_SHARD_PATTERN, DcpLayout, StoredChunk, check_chunks, is_dcp_dir, read_layout,
 )
-from .reader import DcpReader, open_reader, staging_bytes
+from .reader import CooperativeChunks, DcpReader, open_reader, staging_bytes
 
 __all__ = [
     "StoredChunk",
@@ -44,6 +45,7 @@ __all__ = [
     "check_covered",
     "check_complete",
     "DcpReader",
+    "CooperativeChunks",
     "open_reader",
     "staging_bytes",
     "DCP_METADATA",

@@ -7,14 +7,18 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from ...errors import CorruptCheckpointError
 from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ...sources import ByteSource
+from ...sources.exchange import CooperativeRanges
+from ...sources.schedule import RankRuns
 from ...types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from .. import safetensors, torch_pickle, zip_archive
 from ..base import Reader, SourceFile, StreamStats, byte_view
@@ -46,7 +50,7 @@ def _spans(job: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
 
 class DcpReader(Reader):
     """The stream contract over a ``DcpLayout``: reads only the overlap of each stored chunk with this rank's
-    slice, in byte runs, from ``source`` (local files)."""
+    slice, in byte runs, from ``source`` (local files, an object store's ranges, or their cooperative fetch)."""
 
     def __init__(self, layout: DcpLayout, chunk_bytes: int, stats: StreamStats, source: ByteSource):
         self._layout = layout
@@ -57,66 +61,39 @@ class DcpReader(Reader):
         self._located: dict[StoredChunk, _Located] = {}
         self._lock = threading.Lock()
         self._extra = 0  # archive headers read to locate .distcp tensors
+        if isinstance(source, CooperativeChunks):  # located before the exchange's schedule
+            self._located, self._extra = dict(source.located), source.header_bytes
+            for chunk, found in self._located.items():
+                if found.whole is not None:
+                    self._adopt_whole(chunk, found)
 
     def _count(self, n: int) -> None:
         with self._lock:
             self._extra += n
 
     def _locate(self, chunk: StoredChunk) -> _Located:
-        """A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are one uncompressed member. Read the
-        archive's directory, its pickle and the member's local header (about 1 KiB), each checked as a ``.bin``
-        archive is (``zip_archive.read_archive``), to find where they start; a tensor stored with other strides or
-        byte order is loaded whole instead (the minimal unit then)."""
-        if chunk.raw:
-            return _Located(chunk.byte_offset)
         found = self._located.get(chunk)
         if found is not None:
             return found
-        where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
-        view = SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count)
-        archive = zip_archive.read_archive(view, name=where)
-        tensor = torch_pickle.unpickle_locations(view, archive, name=where)
-        if not isinstance(tensor, torch_pickle.StoredTensor):
-            raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
-        member = torch_pickle.check_in_storage(f"chunk at {list(chunk.offsets)}", tensor, archive, name=where)
-        if tensor.shape != chunk.sizes or tensor.dtype != chunk.dtype:
-            raise CorruptCheckpointError(
-                f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
-                f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
-            )
-        if tensor.row_major and zip_archive.byte_order(view, archive) == sys.byteorder:
-            located = _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
-        else:
-            whole = torch.load(
-                SourceFile(self._source, chunk.file, chunk.byte_offset, chunk.byte_length, self._count), map_location="cpu", weights_only=True
-            )
-            self._stats.staged(whole.nbytes)
-            self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
-            located = _Located(None, whole.contiguous())
+        found = locate(chunk, self._source, self._count)
+        if found.whole is not None:
+            self._adopt_whole(chunk, found)
         with self._lock:
-            self._located[chunk] = located
-        return located
+            self._located[chunk] = found
+        return found
+
+    def _adopt_whole(self, chunk: StoredChunk, found: _Located) -> None:
+        self._stats.staged(found.whole.nbytes)
+        self._stats.notes.append(f"{chunk.file}: a chunk stored with non-row-major strides was read whole")
 
     def jobs(self, info: TensorInfo, dst: torch.Tensor, shard: ShardSpec | None = None) -> list[Callable[[], None]]:
         """Chunk reads that together fill ``dst`` with this rank's part of ``info``'s tensor, from every stored
         chunk that overlaps it. Safe to run on several threads at once."""
-        start, stop = wanted_box(info.shape, shard)
-        local = tuple(b - a for a, b in zip(start, stop))
         jobs: list[Callable[[], None]] = []
         for chunk in self._layout.chunks[info.key]:
-            if shard is not None and shard.flat:  # a ZeRO-3 partition: a range of the flattened tensor
-                runs = flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop)
-                if not runs:
-                    continue
-            else:
-                box = overlap(chunk.offsets, chunk.sizes, start, stop)
-                if box is None:
-                    continue
-                lo, hi = box
-                size = tuple(h - l for l, h in zip(lo, hi))
-                runs = box_runs(
-                    chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size
-                )
+            runs = chunk_runs(info, shard, chunk)
+            if not runs:
+                continue
             self._stats.opened(chunk.file)
             jobs += [functools.partial(self._read, chunk, dst, job) for job in split_runs(runs, chunk.dtype.itemsize, self._chunk_bytes)]
         return jobs
@@ -153,6 +130,116 @@ class DcpReader(Reader):
             self._located.clear()
             self._stats.header_bytes += self._extra
             self._extra = 0
+
+
+def locate(chunk: StoredChunk, source: ByteSource, count: Callable[[int], None]) -> _Located:
+    """Where ``chunk``'s row-major bytes start. A ``.distcp`` item is a ``torch.save`` zip: its tensor bytes are
+    one uncompressed member. Read the archive's directory, its pickle and the member's local header (about 1 KiB,
+    through ``source``, counted by ``count``), each checked as a ``.bin`` archive is (``zip_archive.read_archive``),
+    to find where they start; a tensor stored with other strides or byte order is loaded whole instead (the
+    minimal unit then)."""
+    if chunk.raw:
+        return _Located(chunk.byte_offset)
+    where = f"{chunk.file} (the item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length}))"
+    view = SourceFile(source, chunk.file, chunk.byte_offset, chunk.byte_length, count)
+    archive = zip_archive.read_archive(view, name=where)
+    tensor = torch_pickle.unpickle_locations(view, archive, name=where)
+    if not isinstance(tensor, torch_pickle.StoredTensor):
+        raise CorruptCheckpointError(f"{where}: the item is not a torch.save archive of one tensor. The checkpoint is corrupt: save it again.")
+    member = torch_pickle.check_in_storage(f"chunk at {list(chunk.offsets)}", tensor, archive, name=where)
+    if tensor.shape != chunk.sizes or tensor.dtype != chunk.dtype:
+        raise CorruptCheckpointError(
+            f"{where}: the item holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, the checkpoint metadata "
+            f"says {chunk.dtype} {list(chunk.sizes)}. The checkpoint is corrupt: save it again."
+        )
+    if tensor.row_major and zip_archive.byte_order(view, archive) == sys.byteorder:
+        return _Located(chunk.byte_offset + member.data_offset + tensor.storage_offset * chunk.dtype.itemsize)
+    whole = torch.load(
+        SourceFile(source, chunk.file, chunk.byte_offset, chunk.byte_length, count), map_location="cpu", weights_only=True
+    )
+    return _Located(None, whole.contiguous())
+
+
+def chunk_runs(info: TensorInfo, shard: ShardSpec | None, chunk: StoredChunk) -> list[tuple[int, int, int]]:
+    """The ``(chunk_element, dst_element, n)`` runs of ``chunk`` that this rank's part of ``info``'s tensor (all of
+    it, or ``shard``'s slice or flat partition) reads, in source order; empty where they do not overlap."""
+    if shard is not None and shard.flat:  # a ZeRO-3 partition: a range of the flattened tensor
+        return flat_box_runs(info.shape, chunk.offsets, chunk.sizes, shard.start, shard.stop)
+    start, stop = wanted_box(info.shape, shard)
+    box = overlap(chunk.offsets, chunk.sizes, start, stop)
+    if box is None:
+        return []
+    lo, hi = box
+    local = tuple(b - a for a, b in zip(start, stop))
+    size = tuple(h - l for l, h in zip(lo, hi))
+    return box_runs(chunk.sizes, tuple(l - o for l, o in zip(lo, chunk.offsets)), local, tuple(l - s for l, s in zip(lo, start)), size)
+
+
+class CooperativeChunks(CooperativeRanges):
+    """The cooperative fetch (``sources.exchange``) of a DCP checkpoint in an object store: every ``.distcp`` byte
+    fetched once per job, each rank receiving only the runs its plan reads.
+
+    The exchange schedules byte runs of files. A ``.distcp`` chunk's tensor bytes start after its archive's header,
+    so before the schedule every rank locates the chunks it reads (their headers, about 1 KiB each, by its own
+    range requests through ``ranges``) and turns its plan into runs of the files, in the order its reader reads
+    them; the reader then starts from these locations (``located``)."""
+
+    def __init__(self, checkpoint: Checkpoint, plan: LoadPlan, ranges: ByteSource, **options):
+        self.located, header_bytes = _locate_planned(checkpoint.layout, plan, ranges)
+        self.header_bytes = header_bytes
+        """Bytes of chunk headers read to locate the chunks (the load report counts them as header bytes)."""
+        super().__init__(checkpoint.remote, plan, ranges=ranges, runs=_planned_runs(checkpoint.layout, plan, self.located), **options)
+
+
+def _planned_reads(layout: DcpLayout, plan: LoadPlan):
+    """``(submodule, [(info, shard, chunk, runs)])`` per submodule in plan order, as ``DcpReader.jobs`` reads them."""
+    for sub in plan.submodules:
+        infos = [(r.source, r.shard) for r in sub.reads] + [(i, None) for c in sub.conversions for _, i in c.sources]
+        yield sub.name, [
+            (info, shard, chunk, runs) for info, shard in infos for chunk in layout.chunks[info.key]
+            if (runs := chunk_runs(info, shard, chunk))
+        ]
+
+
+def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource) -> tuple[dict[StoredChunk, _Located], int]:
+    """Every chunk the plan reads, located (``locate``); and the header bytes read to do it."""
+    counted = [0]
+    lock = threading.Lock()
+
+    def count(n: int) -> None:
+        with lock:
+            counted[0] += n
+
+    chunks = list(dict.fromkeys(chunk for _, reads in _planned_reads(layout, plan) for _, _, chunk, _ in reads))
+    # one header request each waits on the store's latency: many in flight, as the stream's readers do
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="lowmem-locate") as pool:
+        located = dict(zip(chunks, pool.map(lambda chunk: locate(chunk, source, count), chunks)))
+    return located, counted[0]
+
+
+def _planned_runs(layout: DcpLayout, plan: LoadPlan, located: Mapping[StoredChunk, _Located]) -> RankRuns:
+    """This rank's byte runs of the ``.distcp`` files, in the order its reader reads them (chunks loaded whole while
+    locating read nothing more)."""
+    subs: list[str] = []
+    files: dict[str, int] = {}
+    blocks = []
+    for name, reads in _planned_reads(layout, plan):
+        before = len(blocks)
+        for _, _, chunk, runs in reads:
+            found = located[chunk]
+            if found.whole is not None:
+                continue
+            elements = np.array([(src, n) for src, _, n in runs], dtype=np.int64).reshape(-1, 2)
+            block = np.empty((len(elements), 4), dtype=np.int64)
+            block[:, 0] = len(subs)
+            block[:, 1] = files.setdefault(chunk.file, len(files))
+            block[:, 2] = found.data_offset + elements[:, 0] * chunk.dtype.itemsize
+            block[:, 3] = block[:, 2] + elements[:, 1] * chunk.dtype.itemsize
+            blocks.append(block)
+        if len(blocks) > before:
+            subs.append(name)
+    table = np.concatenate(blocks) if blocks else np.empty((0, 4), dtype=np.int64)
+    return RankRuns(tuple(subs), tuple(files), table)
 
 
 def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
