@@ -3,6 +3,7 @@ cgroup capped near the model's own size.
 
     python benchmarks/bench_scale.py                      # ~27 GB fp32 (Llama-2-7B shapes), 1 and 2 TP ranks
     python benchmarks/bench_scale.py --tiny        # the same code on a 0.16 GB checkpoint (hidden 512, 2 layers)
+    python benchmarks/bench_scale.py --format bin  # its .bin twin (another 27 GB of disk beside the safetensors)
 
 The checkpoint is the benchmarks' generated Llama with Llama-2-7B's shapes (hidden 4096, intermediate 11008, 32
 heads, vocabulary 32000; ``--layers``, default 32: 27 GB in fp32, more than this machine's 24 GiB of RAM), made
@@ -34,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from checkpoints import drop_page_cache, make_llama_checkpoint  # noqa: E402
+from checkpoints import drop_page_cache, make_bin_twin, make_llama_checkpoint  # noqa: E402
 from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limits", nargs="+", choices=("on", "off"), default=["on", "off"],
                     help="with the cgroup's limit, and the same loads in a group without one")
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--format", choices=("safetensors", "bin"), default="safetensors",
+                    help="bin: the checkpoint's .bin twin (torch.save shards), made once beside it")
     ap.add_argument("--workdir", default="/tmp/scale")
     args = ap.parse_args(argv)
     if not CGROUP_ROOT.is_dir() or not os.access(CGROUP_ROOT, os.W_OK):
@@ -147,7 +150,9 @@ def main(argv=None) -> int:
     dims = dict(TINY) if args.tiny else dict(SEVEN_B, layers=args.layers)
     name = "tiny" if args.tiny else f"7b-{args.layers}l"
     path = make_llama_checkpoint(workdir, 0.0, torch.float32, dims=dims, name=name)
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if args.format == "bin":
+        path = make_bin_twin(path, workdir / (path.name + "-bin"))
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors" if args.format == "safetensors" else "*.bin"))
     print(f"[scale] sampler {boost_sampler_priority()}; checkpoint {path} {size / 1e9:.1f} GB fp32", flush=True)
     rows, failed = [], False
     for ranks in args.ranks:
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
                     rows.append(row(loader, ranks, rank, got, final, limit))
                     print(rows[-1], flush=True)
                     failed |= not got.get("ok") and not got.get("oom_kills")
-    print(f"\n{size / 1e9:.1f} GB fp32 checkpoint -> bf16; limit = {args.limit_factor} x the rank's final bytes + "
+    print(f"\n{size / 1e9:.1f} GB fp32 {args.format} checkpoint -> bf16; limit = {args.limit_factor} x the rank's final bytes + "
           f"{args.base_mb:.0f} MiB; memory per final byte, above the post-import baseline")
     print("| loader | ranks | rank | cgroup limit | outcome | time | RssAnon | VmHWM | major faults | read_bytes | rchar |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
