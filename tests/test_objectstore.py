@@ -13,7 +13,8 @@ import transformers
 import lowmem_hf
 from clients import require_client
 from lowmem_hf.errors import (
-    CheckpointNotFoundError, ObjectStoreCredentialsError, ObjectStoreError, OutsideCheckpointError, RemoteFileChangedError,
+    CheckpointNotFoundError, CorruptCheckpointError, ObjectStoreCredentialsError, ObjectStoreError, OutsideCheckpointError,
+    RemoteFileChangedError,
 )
 from s3_server import FaultProxy, start_s3_server, weed_binary
 
@@ -314,6 +315,56 @@ def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_r
         # each rank that reads the chunk, to find where its bytes start
         assert sum(r["fetched"] for r in results) <= stored[kind] * (1.02 if kind == "dcp" else 1), kind
         assert all(r["received"] > 0 for r in results), kind  # the ranks exchanged what the other fetched
+
+
+def _locate_fails_worker(rank: int, world: int, port: int, url: str, options: dict, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from lowmem_hf.formats.dcp import reader
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == 1:  # this rank cannot read a chunk's header; rank 0 can
+        def unreadable(chunk, source, count):
+            raise CorruptCheckpointError(f"{chunk.file}: the header is unreadable (made so by the test)")
+
+        reader.locate = unreadable
+    try:
+        lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained(url, storage_options=options, tp_plan="auto")
+        outcome = "loaded"
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(error).__name__}: {error}"
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_locate_a_dcp_chunk_fails_the_cooperative_load_on_every_rank(s3, tmp_path):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+    from s3_server import free_port
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    ))
+    url = f"s3://{s3.bucket}/dcp-locate-fails"
+    dcp.save(model.state_dict(), storage_writer=FsspecWriter(url, **s3.storage_options()), no_dist=True)
+    model.config.save_pretrained(tmp_path / "config")
+    s3.upload(str(tmp_path / "config"), "dcp-locate-fails")
+    mp.spawn(_locate_fails_worker, args=(2, free_port(), url, s3.storage_options(), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # rank 0 located every chunk, yet it raises rank 1's error rather than waiting for it in the exchange
+    for outcome in outcomes:
+        assert outcome.startswith("CorruptCheckpointError: cooperative fetch, locating the .distcp chunks: rank 1: "), outcomes
+        assert ".distcp: the header is unreadable" in outcome and "rank 0" not in outcome, outcomes
 
 
 def test_a_dcp_checkpoint_written_to_the_store_by_fsspec_writer_resumes(s3, tmp_path):

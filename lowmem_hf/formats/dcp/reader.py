@@ -14,7 +14,8 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from ...errors import CorruptCheckpointError
+from ...distributed.group import Failure, agree, current_group
+from ...errors import CorruptCheckpointError, LowMemError, RankFailedError
 from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ...sources import ByteSource
 from ...sources.exchange import CooperativeRanges
@@ -184,11 +185,19 @@ class CooperativeChunks(CooperativeRanges):
     range requests through ``ranges``) and turns its plan into runs of the files, in the order its reader reads
     them; the reader then starts from these locations (``located``)."""
 
-    def __init__(self, checkpoint: Checkpoint, plan: LoadPlan, ranges: ByteSource, **options):
-        self.located, header_bytes = _locate_planned(checkpoint.layout, plan, ranges)
-        self.header_bytes = header_bytes
+    def __init__(self, checkpoint: Checkpoint, plan: LoadPlan, ranges: ByteSource, *, synchronous: bool = False, **options):
+        self.located: dict[StoredChunk, _Located] = {}
+        self.header_bytes = 0
         """Bytes of chunk headers read to locate the chunks (the load report counts them as header bytes)."""
-        super().__init__(checkpoint.remote, plan, ranges=ranges, runs=_planned_runs(checkpoint.layout, plan, self.located), **options)
+        failure, cause = None, None
+        try:
+            self.located, self.header_bytes = _locate_planned(checkpoint.layout, plan, ranges, threads=1 if synchronous else 16)
+        except Exception as error:  # noqa: BLE001 - every rank learns it below and raises the same error
+            failure, cause = Failure(str(error), error=type(error) if isinstance(error, LowMemError) else RankFailedError), error
+        # a rank that failed still takes part, so that no rank waits alone in the exchange's first gather
+        agree(failure, current_group(), context="cooperative fetch, locating the .distcp chunks", cause=cause)
+        runs = _planned_runs(checkpoint.layout, plan, self.located)
+        super().__init__(checkpoint.remote, plan, ranges=ranges, runs=runs, synchronous=synchronous, **options)
 
 
 def _planned_reads(layout: DcpLayout, plan: LoadPlan):
@@ -201,8 +210,9 @@ def _planned_reads(layout: DcpLayout, plan: LoadPlan):
         ]
 
 
-def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource) -> tuple[dict[StoredChunk, _Located], int]:
-    """Every chunk the plan reads, located (``locate``); and the header bytes read to do it."""
+def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource, *, threads: int) -> tuple[dict[StoredChunk, _Located], int]:
+    """Every chunk the plan reads, located (``locate``) on ``threads`` threads (1: on this one); and the header
+    bytes read to do it."""
     counted = [0]
     lock = threading.Lock()
 
@@ -211,8 +221,10 @@ def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource) -> tu
             counted[0] += n
 
     chunks = list(dict.fromkeys(chunk for _, reads in _planned_reads(layout, plan) for _, _, chunk, _ in reads))
+    if threads == 1:
+        return {chunk: locate(chunk, source, count) for chunk in chunks}, counted[0]
     # one header request each waits on the store's latency: many in flight, as the stream's readers do
-    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="lowmem-locate") as pool:
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lowmem-locate") as pool:
         located = dict(zip(chunks, pool.map(lambda chunk: locate(chunk, source, count), chunks)))
     return located, counted[0]
 
