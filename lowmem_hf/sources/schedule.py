@@ -8,7 +8,7 @@ the span that rank reads. No I/O and no process group here, so the arithmetic is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from ..runs import element_runs
 from ..types import LoadPlan
 
 __all__ = [
-    "Span", "RankRuns", "Schedule", "rank_runs", "schedule_spans", "wave_span_bytes", "default_wave_bytes",
+    "Span", "RankRuns", "Schedule", "rank_runs", "collect_runs", "schedule_spans", "wave_span_bytes", "default_wave_bytes",
     "DEFAULT_WAVE_BYTES", "FETCH_THREADS",
 ]
 
@@ -58,25 +58,36 @@ class RankRuns:
 
 def rank_runs(plan: LoadPlan) -> RankRuns:
     """This rank's byte runs, in plan order."""
+    return collect_runs(
+        (sub.name, [
+            (info.file, info.offset, element_runs(info.shape, shard), info.dtype.itemsize)
+            for info, shard in [(r.source, r.shard) for r in sub.reads] + [(i, None) for c in sub.conversions for _, i in c.sources]
+        ])
+        for sub in plan.submodules
+    )
+
+
+def collect_runs(submodules: Iterable[tuple[str, Iterable[tuple[str, int, Sequence[tuple[int, int]], int]]]]) -> RankRuns:
+    """A ``RankRuns`` from, per submodule in plan order, its reads: ``(file, offset, runs, itemsize)``, where
+    ``runs`` are ``(first element, elements)`` of a stored tensor whose element 0 is at byte ``offset`` of
+    ``file``. Submodules that read nothing are left out."""
     subs: list[str] = []
     files: dict[str, int] = {}
     blocks = []
-    for sub in plan.submodules:
-        infos = [(r.source, r.shard) for r in sub.reads] + [(i, None) for c in sub.conversions for _, i in c.sources]
+    for name, reads in submodules:
         before = len(blocks)
-        for info, shard in infos:
-            runs = element_runs(info.shape, shard)
-            if not runs:
+        for file, offset, runs, itemsize in reads:
+            if not len(runs):
                 continue
-            elements = np.array(runs, dtype=np.int64).reshape(-1, 2)
+            elements = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
             block = np.empty((len(elements), 4), dtype=np.int64)
             block[:, 0] = len(subs)
-            block[:, 1] = files.setdefault(info.file, len(files))
-            block[:, 2] = info.offset + elements[:, 0] * info.dtype.itemsize
-            block[:, 3] = block[:, 2] + elements[:, 1] * info.dtype.itemsize
+            block[:, 1] = files.setdefault(file, len(files))
+            block[:, 2] = offset + elements[:, 0] * itemsize
+            block[:, 3] = block[:, 2] + elements[:, 1] * itemsize
             blocks.append(block)
         if len(blocks) > before:
-            subs.append(sub.name)
+            subs.append(name)
     table = np.concatenate(blocks) if blocks else np.empty((0, 4), dtype=np.int64)
     return RankRuns(tuple(subs), tuple(files), table)
 

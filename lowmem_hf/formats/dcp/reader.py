@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-import numpy as np
 import torch
 
 from ...distributed.group import Failure, agree, current_group
@@ -19,7 +18,7 @@ from ...errors import CorruptCheckpointError, LowMemError, RankFailedError
 from ...runs import box_runs, flat_box_runs, overlap, split_runs, wanted_box
 from ...sources import ByteSource
 from ...sources.exchange import CooperativeRanges
-from ...sources.schedule import RankRuns
+from ...sources.schedule import RankRuns, collect_runs
 from ...types import Checkpoint, LoadPlan, ShardSpec, TensorInfo
 from .. import safetensors, torch_pickle, zip_archive
 from ..base import Reader, SourceFile, StreamStats, byte_view
@@ -232,26 +231,13 @@ def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource, *, th
 def _planned_runs(layout: DcpLayout, plan: LoadPlan, located: Mapping[StoredChunk, _Located]) -> RankRuns:
     """This rank's byte runs of the ``.distcp`` files, in the order its reader reads them (chunks loaded whole while
     locating read nothing more)."""
-    subs: list[str] = []
-    files: dict[str, int] = {}
-    blocks = []
-    for name, reads in _planned_reads(layout, plan):
-        before = len(blocks)
-        for _, _, chunk, runs in reads:
-            found = located[chunk]
-            if found.whole is not None:
-                continue
-            elements = np.array([(src, n) for src, _, n in runs], dtype=np.int64).reshape(-1, 2)
-            block = np.empty((len(elements), 4), dtype=np.int64)
-            block[:, 0] = len(subs)
-            block[:, 1] = files.setdefault(chunk.file, len(files))
-            block[:, 2] = found.data_offset + elements[:, 0] * chunk.dtype.itemsize
-            block[:, 3] = block[:, 2] + elements[:, 1] * chunk.dtype.itemsize
-            blocks.append(block)
-        if len(blocks) > before:
-            subs.append(name)
-    table = np.concatenate(blocks) if blocks else np.empty((0, 4), dtype=np.int64)
-    return RankRuns(tuple(subs), tuple(files), table)
+    return collect_runs(
+        (name, [
+            (chunk.file, located[chunk].data_offset, [(src, n) for src, _, n in runs], chunk.dtype.itemsize)
+            for _, _, chunk, runs in reads if located[chunk].whole is None
+        ])
+        for name, reads in _planned_reads(layout, plan)
+    )
 
 
 def open_reader(checkpoint: Checkpoint, plan: LoadPlan, source: ByteSource, *, chunk_bytes: int, weights_only: bool, mmap: bool, stats: StreamStats) -> Reader:
