@@ -119,9 +119,10 @@ def first_forward(config, dtype) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # None: as many as heads
     tiny = type(config).from_dict({
         **config.to_dict(), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 4 if config.num_key_value_heads == config.num_attention_heads else 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4 if kv_heads == config.num_attention_heads else 2,
         "head_dim": 16,
     })
     model = AutoModelForCausalLM.from_config(tiny, dtype=dtype)
