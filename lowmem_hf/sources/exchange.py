@@ -73,19 +73,13 @@ class CooperativeRanges(ByteSource):
         remote: Mapping[str, RemoteFile],
         plan: LoadPlan,
         *,
-        token=None,
-        local: Mapping[str, str] | None = None,
-        span_bytes: int = DEFAULT_SPAN_BYTES,
-        wave_bytes: int | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        synchronous: bool = False,
-        ranges: ByteSource | None = None,
-        runs: RankRuns | None = None,
+        token=None, local: Mapping[str, str] | None = None,
+        span_bytes: int = DEFAULT_SPAN_BYTES, wave_bytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+        synchronous: bool = False, ranges: ByteSource | None = None, runs: RankRuns | None = None,
     ):
         """``synchronous``: fetch this rank's spans on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``).
         ``ranges``: the source each span is fetched from (an object store's); default the Hub's ``HttpRanges``.
-        ``runs``: this rank's byte runs, where they are not the plan's tensor offsets (``rank_runs``): a DCP
-        checkpoint's chunks start inside their files' archives."""
+        ``runs``: this rank's byte runs where they are not the plan's tensor offsets (a DCP checkpoint's chunks)."""
         self._http = ranges if ranges is not None else HttpRanges(remote, token=token, local=local)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         runs = rank_runs(plan) if runs is None else runs
@@ -109,8 +103,7 @@ class CooperativeRanges(ByteSource):
         self._lock = threading.Lock()
         self._statuses = WaveStatuses(timeout_s=timeout_s)
         # what ``ranges`` fetched before the waves (a DCP checkpoint's chunk headers) counts too
-        self.requests = self._http.requests
-        self.bytes_fetched = self._http.bytes_fetched
+        self.requests, self.bytes_fetched = self._http.requests, self._http.bytes_fetched
         self.bytes_received = 0
 
     # -- the stream's hooks ------------------------------------------------------------------------------------
