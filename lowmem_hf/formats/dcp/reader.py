@@ -189,13 +189,14 @@ class CooperativeChunks(CooperativeRanges):
         self.header_bytes = 0
         """Bytes of chunk headers read to locate the chunks (the load report counts them as header bytes)."""
         failure, cause = None, None
+        reads = list(_planned_reads(checkpoint.layout, plan))  # the runs of every chunk, listed once
         try:
-            self.located, self.header_bytes = _locate_planned(checkpoint.layout, plan, ranges, threads=1 if synchronous else 16)
+            self.located, self.header_bytes = _locate_planned(reads, ranges, threads=1 if synchronous else 16)
         except Exception as error:  # noqa: BLE001 - every rank learns it below and raises the same error
             failure, cause = Failure(str(error), error=type(error) if isinstance(error, LowMemError) else RankFailedError), error
         # a rank that failed still takes part, so that no rank waits alone in the exchange's first gather
         agree(failure, current_group(), context="cooperative fetch, locating the .distcp chunks", cause=cause)
-        runs = _planned_runs(checkpoint.layout, plan, self.located)
+        runs = _planned_runs(reads, self.located)
         super().__init__(checkpoint.remote, plan, ranges=ranges, runs=runs, synchronous=synchronous, **options)
 
 
@@ -209,9 +210,9 @@ def _planned_reads(layout: DcpLayout, plan: LoadPlan):
         ]
 
 
-def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource, *, threads: int) -> tuple[dict[StoredChunk, _Located], int]:
-    """Every chunk the plan reads, located (``locate``) on ``threads`` threads (1: on this one); and the header
-    bytes read to do it."""
+def _locate_planned(reads: list, source: ByteSource, *, threads: int) -> tuple[dict[StoredChunk, _Located], int]:
+    """Every chunk of ``reads`` (``_planned_reads``) located (``locate``) on ``threads`` threads (1: on this one);
+    and the header bytes read to do it."""
     counted = [0]
     lock = threading.Lock()
 
@@ -219,7 +220,7 @@ def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource, *, th
         with lock:
             counted[0] += n
 
-    chunks = list(dict.fromkeys(chunk for _, reads in _planned_reads(layout, plan) for _, _, chunk, _ in reads))
+    chunks = list(dict.fromkeys(chunk for _, sub_reads in reads for _, _, chunk, _ in sub_reads))
     if threads == 1:
         return {chunk: locate(chunk, source, count) for chunk in chunks}, counted[0]
     # one header request each waits on the store's latency: many in flight, as the stream's readers do
@@ -228,15 +229,15 @@ def _locate_planned(layout: DcpLayout, plan: LoadPlan, source: ByteSource, *, th
     return located, counted[0]
 
 
-def _planned_runs(layout: DcpLayout, plan: LoadPlan, located: Mapping[StoredChunk, _Located]) -> RankRuns:
-    """This rank's byte runs of the ``.distcp`` files, in the order its reader reads them (chunks loaded whole while
-    locating read nothing more)."""
+def _planned_runs(reads: list, located: Mapping[StoredChunk, _Located]) -> RankRuns:
+    """This rank's byte runs of the ``.distcp`` files (``reads``: ``_planned_reads``), in the order its reader reads
+    them (chunks loaded whole while locating read nothing more)."""
     return collect_runs(
         (name, [
             (chunk.file, located[chunk].data_offset, [(src, n) for src, _, n in runs], chunk.dtype.itemsize)
-            for _, _, chunk, runs in reads if located[chunk].whole is None
+            for _, _, chunk, runs in sub_reads if located[chunk].whole is None
         ])
-        for name, reads in _planned_reads(layout, plan)
+        for name, sub_reads in reads
     )
 
 
