@@ -321,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_hf.compat.transformers_api import model_class_for
 
     auto = getattr(transformers, args.auto_class)
-    config_path = args.model
     if lowmem_hf.resolve_store.is_store_url(args.model):  # transformers reads the config of a local copy
-        config_path = lowmem_hf.fetch_small_files(args.model, tempfile.mkdtemp(prefix="lowmem-config-"))
-    config = transformers.AutoConfig.from_pretrained(config_path, revision=args.revision)
+        with tempfile.TemporaryDirectory(prefix="lowmem-config-") as folder:
+            config = transformers.AutoConfig.from_pretrained(lowmem_hf.fetch_small_files(args.model, folder), revision=args.revision)
+    else:
+        config = transformers.AutoConfig.from_pretrained(args.model, revision=args.revision)
     model_class_for(config, auto)  # imports the model's module before the clock, for both loaders
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     tp = {"tp_plan": "auto"} if args.tp_size > 1 else {}

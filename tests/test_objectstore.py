@@ -206,12 +206,15 @@ def store_env(s3, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret)
 
 
-def test_the_cli_plans_and_loads_a_stored_checkpoint(stored, store_env, capsys):
+def test_the_cli_plans_and_loads_a_stored_checkpoint(stored, store_env, capsys, monkeypatch, tmp_path):
     import json
 
     from lowmem_hf import cli
 
     folder, url = stored("sharded")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # where the measured child copies the config
     assert cli.main(["plan", url, "--json", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     plan = json.loads(out[out.index("{"):])
@@ -220,6 +223,7 @@ def test_the_cli_plans_and_loads_a_stored_checkpoint(stored, store_env, capsys):
     assert cli.main(["load", url, "--json"]) == 0
     load = json.loads(capsys.readouterr().out)
     assert load["loads"][0]["loader"] == "lowmem" and load["loads"][0]["missing_keys"] == []
+    assert list(scratch.iterdir()) == []  # and removes it
 
 
 def test_the_switch_serves_a_store_url_and_has_no_fallback_for_it(stored, store_env):
