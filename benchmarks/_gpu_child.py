@@ -3,6 +3,8 @@
     python benchmarks/_gpu_child.py --loader {lowmem,lowmem-map,lowmem-ambient,transformers,safetensors}
         --path DIR --dtype bfloat16 --device cuda|cpu
     python benchmarks/_gpu_child.py --loader copy --device cuda --nbytes N     # the machine's host-to-device copy
+    RANK=r LOCAL_RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python benchmarks/_gpu_child.py --tp \
+        --loader {lowmem,transformers} --path DIR --dtype bfloat16 --device cuda|cpu   # one rank of a TP load
 
 Loaders (the same request each: every weight of DIR as ``--dtype`` on the device):
 
@@ -15,7 +17,9 @@ Loaders (the same request each: every weight of DIR as ``--dtype`` on the device
 
 The clock stops when the weights are on the device and the device is idle (``torch.cuda.synchronize``). After
 LOADED, outside the measured peak, the child hashes every tensor's bytes (name -> blake2b of dtype, shape and
-bytes) so that the parent can compare loaders bit for bit. ``copy`` times a plain ``tensor.copy_`` from pinned host
+bytes) so that the parent can compare loaders bit for bit. ``--tp``: the rank joins its group (NCCL on CUDA, gloo
+on the CPU) before READY and loads with ``tp_plan="auto"`` onto the device transformers binds it to (the
+accelerator at ``LOCAL_RANK``); its hashes are of its local shards. ``copy`` times a plain ``tensor.copy_`` from pinned host
 memory to the device (from plain memory on the CPU), the best of 5: the bandwidth the loaders are read against.
 """
 
@@ -54,10 +58,21 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load(loader: str, path: str, dtype, device):
-    """The request as each loader spells it; returns (name, tensor) pairs of what is now on the device."""
+def load(loader: str, path: str, dtype, device, *, tp: bool = False):
+    """The request as each loader spells it; returns (name, tensor) pairs of what is now on the device (``tp``:
+    this rank's local shards)."""
     import torch
 
+    if tp:
+        if loader == "transformers":
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto")
+        else:
+            from lowmem_hf import LowMemAutoModelForCausalLM
+
+            model = LowMemAutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, tp_plan="auto")
+        return [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in model.state_dict(keep_vars=True).items()]
     if loader == "safetensors":
         from safetensors.torch import load_file
 
@@ -109,6 +124,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nbytes", type=int, default=1 << 30)
     ap.add_argument("--no-digest", action="store_true", help="time only; hash nothing")
+    ap.add_argument("--tp", action="store_true", help="one rank of a tp_plan='auto' load (RANK, WORLD_SIZE... set)")
     args = ap.parse_args()
 
     import torch
@@ -118,9 +134,18 @@ def main() -> int:
     import lowmem_hf
 
     device = torch.device(args.device)
+    if args.tp and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # the device transformers binds the rank to
     if device.type == "cuda":
         torch.cuda.init()
+        torch.cuda.set_device(device)
         torch.empty(1, device=device)  # the CUDA context exists before the clock, for every loader
+    if args.tp:  # the group exists before the clock, for both loaders
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **({"device_id": device} if device.type == "cuda" else {}))
+        dist.barrier()
     if args.loader == "copy":
         say("READY")
         wait_for_parent("go")
@@ -138,7 +163,7 @@ def main() -> int:
     say("READY")
     wait_for_parent("go")
     t0 = time.perf_counter()
-    tensors = load(args.loader, args.path, dtype, device)
+    tensors = load(args.loader, args.path, dtype, device, tp=args.tp)
     synchronize(device)
     seconds = time.perf_counter() - t0
     say("LOADED")
@@ -152,6 +177,10 @@ def main() -> int:
     }
     say("RESULT " + json.dumps(result))
     wait_for_parent("exit")
+    if args.tp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 

@@ -4,6 +4,7 @@ it take? Prints one table; exit status 1 on any inequality or failed load.
 
     python benchmarks/gpu_check.py [--device cuda] [--size-gb 4.0] [--repeats 2] [--cache warm cold]
         [--workdir /tmp/gpu_check] [--wheels benchmarks/_gpu_wheels] [--no-overlap] [--no-convert-on-device]
+        [--tp-ranks N]
     python benchmarks/gpu_check.py --device cpu --small      # CI (tests/test_gpu_check.py): the same code, < 2 min
 
 The checkpoint is the benchmarks' generated Llama (``checkpoints.py``), ``--size-gb`` in fp32 (``--small``: 0.05),
@@ -17,7 +18,11 @@ stored once as fp32 and once as bf16, both loaded as bf16:
   before each load (root only; skipped with a note elsewhere). ``x copy`` is the load's bytes-on-device per
   second over a plain pinned host-to-device ``copy_`` of the same run (on the CPU: a plain memory copy);
 - **memory**: peak host RssAnon and VmHWM above the post-import baseline (sampled by this process) and
-  ``torch.cuda.max_memory_allocated``, each per byte of the loaded model.
+  ``torch.cuda.max_memory_allocated``, each per byte of the loaded model;
+- **tensor parallelism** (``--tp-ranks``; on CUDA by default 2 where the machine has 2 GPUs, none with one; on the
+  CPU 2): both cases again as ``tp_plan="auto"`` loads of N ranks over NCCL (gloo on the CPU), one process per
+  rank, each on the device transformers binds it to. Each rank's local shards are hashed against transformers' same
+  rank; the time is the slowest rank's, bytes/s and memory are per rank (the largest).
 
 ``--no-overlap`` / ``--no-convert-on-device`` run lowmem_hf's loads with ``LOWMEM_HF_GPU_OVERLAP=0`` /
 ``LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0`` (docs/usage.md): the same table without the copies overlapping the reads, or
@@ -118,8 +123,10 @@ def load_once(loader: str, path: Path, device: str, cache: str, env: dict, timeo
 
 
 def compare(got: dict, reference: dict) -> str:
-    """``equal``, or what differs: tensors missing from either side, or tensors whose bytes differ."""
+    """``equal``, or what differs: tensors missing from either side, tensors whose bytes differ, or devices."""
     mine, theirs = got["digest"], reference["digest"]
+    if got.get("devices") != reference.get("devices"):
+        return f"on {got.get('devices')}, transformers' on {reference.get('devices')}"
     missing = sorted(set(theirs) - set(mine))
     extra = sorted(set(mine) - set(theirs))
     differ = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
@@ -153,6 +160,72 @@ def measure_case(path: Path, args, env: dict, variants: tuple[str, ...]) -> tupl
     for variant in variants:
         equality[variant] = compare(load_once(variant, path, args.device, args.cache[0], env, args.timeout), reference)
     return runs, equality
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_ranks(loader: str, path: Path, args, cache: str, env: dict, *, digest: bool) -> list[dict]:
+    """One ``tp_plan="auto"`` load of ``args.tp_ranks`` ranks, a fresh process each, started together and sampled
+    by this process; a failed rank raises with its stderr tail."""
+    from checkpoints import drop_page_cache, prewarm_page_cache
+    from measure import run_children, spawn_child
+
+    drop_page_cache() if cache == "cold" else prewarm_page_cache(path)
+    port, procs, logs = free_port(), [], []
+    argv = ["--tp", "--loader", loader, "--path", str(path), "--dtype", "bfloat16", "--device", args.device]
+    for rank in range(args.tp_ranks):
+        log = Path(env["GPU_CHECK_LOG"]).with_suffix(f".rank{rank}.log")
+        logs.append(log)
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.tp_ranks), LOCAL_WORLD_SIZE=str(args.tp_ranks),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(log, "w") as stderr:
+            procs.append(spawn_child([sys.executable, str(HERE / "_gpu_child.py"), *argv, *([] if digest else ["--no-digest"])],
+                                     env=rank_env, stderr=stderr))
+    try:
+        got = run_children(procs, start_together=True, timeout_s=args.timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    results = []
+    for rank, (one, log) in enumerate(zip(got, logs)):
+        if not one["ok"]:
+            raise RuntimeError(f"{loader} rank {rank} of {args.tp_ranks}: {one['error']}; stderr tail:\n{log.read_text()[-3000:]}")
+        result = dict(one["result"], rss_anon=one["peak_rss_anon_above_baseline_kb"] * 1024, vmhwm=one["vmhwm_above_baseline_kb"] * 1024)
+        results.append(result)
+    seconds = max(r["load_seconds"] for r in results)
+    print(f"  [{path.name} {cache} tp{args.tp_ranks} {loader:<12}] {seconds:.2f} s, "
+          f"{max(r['model_bytes'] for r in results) / 1e9:.2f} GB per rank", flush=True)
+    return results
+
+
+def measure_tp(path: Path, args, env: dict) -> tuple[dict, dict[str, str]]:
+    """``measure_case`` at ``args.tp_ranks`` ranks: lowmem_hf and transformers alternating, each rank's first load
+    hashed against transformers' same rank. A run is summarized as one load: the slowest rank's time, the largest
+    rank's bytes and memory."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    ranked: dict[str, list[dict]] = {}
+    for cache in args.cache:
+        for rep in range(args.repeats):
+            for loader in ("lowmem", REFERENCE):
+                hashed = cache == args.cache[0] and rep == 0
+                ranks = load_ranks(loader, path, args, cache, env, digest=hashed)
+                if hashed:
+                    ranked[loader] = ranks
+                largest = max(ranks, key=lambda r: r["model_bytes"])
+                runs.setdefault((loader, cache), []).append(dict(
+                    largest, load_seconds=max(r["load_seconds"] for r in ranks),
+                    rss_anon=max(r["rss_anon"] for r in ranks), vmhwm=max(r["vmhwm"] for r in ranks),
+                ))
+    verdicts = [f"rank {rank}: {compare(mine, theirs)}" for rank, (mine, theirs) in enumerate(zip(ranked["lowmem"], ranked[REFERENCE]))]
+    unequal = [v for v in verdicts if not v.endswith(": equal")]
+    return runs, {"lowmem": "; ".join(unequal) or "equal"}
 
 
 def compare_weights(got: dict, reference: dict) -> str:
@@ -193,6 +266,8 @@ def parse(argv=None):
                     "staging buffer per reader thread, whose next read waits for its copy")
     ap.add_argument("--no-convert-on-device", action="store_true", help="LOWMEM_HF_GPU_CONVERT_ON_DEVICE=0 for every "
                     "child: converted chunks go through copy_ as they are")
+    ap.add_argument("--tp-ranks", type=int, help="ranks of the tensor-parallel rows, 0 for none (default: 2 on the "
+                    "CPU; on CUDA 2 where there are 2 GPUs, else none)")
     args = ap.parse_args(argv)
     if args.small:
         args.size_gb, args.repeats, args.cache = 0.05, 1, ["warm"]
@@ -223,6 +298,12 @@ def main(argv=None) -> int:
           f"switches {switches(args) or 'default'}", flush=True)
     import torch
 
+    if args.tp_ranks is None:
+        args.tp_ranks = 2 if not args.device.startswith("cuda") or torch.cuda.device_count() >= 2 else 0
+    if args.device.startswith("cuda") and args.tp_ranks > torch.cuda.device_count():
+        raise SystemExit(f"--tp-ranks {args.tp_ranks}: this machine has {torch.cuda.device_count()} GPU(s), one per rank")
+    if not args.tp_ranks:
+        print("[gpu_check] one GPU: no tensor-parallel rows (--tp-ranks 2 needs 2 GPUs)", flush=True)
     paths = {case: make_llama_checkpoint(workdir, args.size_gb, getattr(torch, stored)) for case, stored in CASES.items()}
     nbytes = min(1 << 30, sum(f.stat().st_size for f in paths["bf16 -> bf16"].glob("*.safetensors")))
     copy = run_one(["--loader", "copy", "--device", args.device, "--nbytes", str(nbytes)], env, args.timeout)
@@ -231,6 +312,10 @@ def main(argv=None) -> int:
         runs, equality = measure_case(path, args, env, VARIANTS if case == "fp32 -> bf16" else ())
         table += rows(case, runs, equality, copy["bytes_per_second"])
         failed += [f"{case} {loader}: {verdict}" for loader, verdict in equality.items() if verdict != "equal"]
+    for case, path in paths.items() if args.tp_ranks else ():
+        runs, equality = measure_tp(path, args, env)
+        table += rows(f"tp{args.tp_ranks} {case}", runs, equality, copy["bytes_per_second"])
+        failed += [f"tp{args.tp_ranks} {case} {loader}: {verdict}" for loader, verdict in equality.items() if verdict != "equal"]
     kind = "pinned host-to-device" if copy["pinned"] else "host memory"
     print(f"\n{kind} copy_ of {copy['nbytes'] / 1e9:.2f} GB: {copy['bytes_per_second'] / 1e9:.2f} GB/s (best of 5); "
           f"medians of {args.repeats}; memory = peak above the post-import baseline per loaded byte (max over repeats)")

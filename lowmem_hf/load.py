@@ -26,7 +26,7 @@ from . import assign as _assign
 from .build import build, decide_dtype, reject_empty_plan
 from .compat import transformers_api as hf
 from .distributed import Engine, engine_for
-from .distributed.tp import TPRequest, request_tp
+from .distributed.tp import TPRequest, rank_device, request_tp
 from .estimate import PlanEstimate, bytes_to_read, estimate_plan
 from .fetch.choose import FetchOptions, open_source, reads_local_files
 from .formats import StreamStats, dcp, open_reader
@@ -132,6 +132,7 @@ def prepare(request: LoadRequest) -> PreparedLoad:
     # TP first: under torchrun this creates the process group, which the revision pinning below uses so
     # that every rank loads rank 0's commit (transformers' mesh set-up does not depend on the model class).
     tp_request = request_tp(PreTrainedModel, **vars(request.tp))
+    request = replace(request, device=rank_device(tp_request, request.device))
     store = pin_stored(request) if is_store_url(request.name_or_path) else None  # listed once, small files mirrored
     if store is None and request.storage_options is not None:
         raise ValueError(

@@ -37,6 +37,8 @@ def test_gpu_check_on_the_cpu_prints_one_table_of_equal_loads(tmp_path):
     for case in ("fp32 -> bf16", "bf16 -> bf16"):
         assert {(case, "lowmem"), (case, "transformers"), (case, "safetensors")} <= loaders
     assert {("fp32 -> bf16", "lowmem-map"), ("fp32 -> bf16", "lowmem-ambient")} <= loaders
+    for case in ("tp2 fp32 -> bf16", "tp2 bf16 -> bf16"):  # two gloo ranks, each hashed against transformers' rank
+        assert {(case, "lowmem"), (case, "transformers")} <= loaders
     assert all(r[-1].rstrip(" |") in ("equal", "reference") for r in rows), table
     assert "INEQUALITY" not in proc.stdout
 
@@ -46,6 +48,13 @@ def test_a_changed_tensor_is_an_inequality_that_names_it():
     assert gpu_check.compare({"digest": {"a": "1", "b": "2", "c": "3"}}, reference) == "equal"
     verdict = gpu_check.compare({"digest": {"a": "1", "b": "9", "d": "4"}}, reference)
     assert verdict == "1 missing (e.g. c); 1 not in transformers' (e.g. d); 1 differ (e.g. b)"
+
+
+def test_a_load_onto_other_devices_is_an_inequality_even_with_equal_bytes():
+    reference = {"digest": {"a": "1"}, "devices": ["cuda:1"]}
+    assert gpu_check.compare({"digest": {"a": "1"}, "devices": ["cuda:1"]}, reference) == "equal"
+    verdict = gpu_check.compare({"digest": {"a": "1"}, "devices": ["cpu"]}, reference)
+    assert verdict == "on ['cpu'], transformers' on ['cuda:1']"
 
 
 def test_safetensors_is_compared_on_the_checkpoints_tensors_only():

@@ -121,6 +121,34 @@ def test_adjacent_runs_merge_into_one_read():
     assert interval_runs((2, 4), (((0, 2),), ((1, 3),))) == [(1, 2), (5, 2)]
 
 
+class _AcceleratorMesh:
+    """What ``rank_device`` reads of transformers' mesh manager (``get_mesh("tp").device_type``), for a mesh of a
+    device type this machine lacks: a CUDA mesh cannot be built without CUDA."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def get_mesh(self, name: str):
+        assert name == "tp"
+        return self
+
+
+def test_an_accelerator_mesh_puts_each_rank_on_its_local_accelerator_as_transformers_does(monkeypatch):
+    from lowmem_hf.distributed.tp import TPRequest, rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    on_cuda = TPRequest(plan="auto", tp_size=2, tp_rank=1, distributed=True, mesh_manager=_AcceleratorMesh("cuda"))
+    assert rank_device(on_cuda, torch.device("cpu")) == torch.device("cuda", 1)  # the ambient device yields
+    assert rank_device(on_cuda, torch.device("cuda")) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device=cuda:0 but this rank's mesh is on cuda:1 \(LOCAL_RANK=1"):
+        rank_device(on_cuda, torch.device("cuda", 0))
+    on_cpu = TPRequest(plan="auto", tp_size=2, tp_rank=1, distributed=True, mesh_manager=_AcceleratorMesh("cpu"))
+    assert rank_device(on_cpu, torch.device("cpu")) == torch.device("cpu")
+    alone = TPRequest(plan="auto", tp_size=2, tp_rank=1, distributed=False)
+    assert rank_device(alone, torch.device("cpu")) == torch.device("cpu")
+    assert rank_device(None, torch.device("cpu")) == torch.device("cpu")
+
+
 # -- real process groups ----------------------------------------------------------------------------------------
 
 
@@ -314,3 +342,4 @@ def test_hsdp_and_tp_x_fsdp_meshes_load_and_train_like_transformers(checkpoints,
     tp_logits, ref_logits = _logits(str(tmp_path / "tp")), _logits(str(tmp_path / "ref"))
     assert (ref_logits - _logits(checkpoints["llama"])).abs().max() > 1e-3, "training did not change the model"
     torch.testing.assert_close(tp_logits, ref_logits, atol=1e-5, rtol=0)
+

@@ -18,17 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
 from transformers.distributed import DistributedConfig
 
 from ..compat.transformers_api import resolve_parallel_plans
 from ..plan.sharding import check_head_divisibility, shard_specs
+from ..settings import local_rank
 from ..types import ShardSpec
 from .engine import Engine
 from .group import current_group, world_size
 from .mesh import set_up_mesh, specs_from_placements
 from .mesh_rank import MeshRank, mesh_rank_specs
 
-__all__ = ["TPRequest", "request_tp", "plan_shards", "distribute", "TensorParallel"]
+__all__ = ["TPRequest", "request_tp", "rank_device", "plan_shards", "distribute", "TensorParallel"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,30 @@ def request_tp(
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is rank {rank} of the tp mesh; omit tp_rank under a process group.")
     return TPRequest(plan=plan, tp_size=tp_size, tp_rank=rank, distributed=True, distributed_config=config, mesh_manager=mesh_manager)
+
+
+def rank_device(tp: TPRequest | None, requested: torch.device) -> torch.device:
+    """The device this rank's shards go to: on an accelerator mesh, the accelerator at ``LOCAL_RANK``.
+
+    transformers binds each rank of its mesh to that accelerator (``_bind_local_device``) and loads the model there,
+    whatever the ambient device (``tp_plan`` and ``device_map`` are mutually exclusive in ``from_pretrained``); the
+    DTensors' local shards must live on the mesh's device type. So an ambient CPU device becomes the rank's
+    accelerator, as there; an explicit other accelerator is an error rather than a model split across devices.
+    """
+    if tp is None or tp.mesh_manager is None:
+        return requested
+    kind = tp.mesh_manager.get_mesh("tp").device_type
+    if kind == "cpu":
+        return requested
+    bound = torch.device(kind, local_rank())
+    if requested.type == "cpu":
+        return bound
+    if requested.type != bound.type or (requested.index is not None and requested.index != bound.index):
+        raise ValueError(
+            f"device={requested} but this rank's mesh is on {bound} (LOCAL_RANK={bound.index}, a {kind} mesh): every "
+            f"rank loads onto its own {kind} device, as transformers' tp_plan does; drop device/device_map."
+        )
+    return bound
 
 
 def _request_on_mesh(
