@@ -50,8 +50,10 @@ COLD_CHUNK_BYTES = 8 * 1024 * 1024
 COLD_STAGING_SHARE = 32
 DEFAULT_READ_AHEAD_BYTES = 64 * 1024 * 1024
 # Chunks are read by this many threads when the files are in the page cache: preadv and copy_ release the
-# GIL, so reading one chunk overlaps converting another; more threads than cores only add contention.
-DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# GIL, so reading one chunk overlaps converting another; more threads than cores only add contention, and the
+# ranks of a node share its cores (torchrun's LOCAL_WORLD_SIZE): two ranks on two cores with one reader each
+# measured 0.39-0.40 s in the stream against 0.41-0.44 s with two each (benchmarks/README.md, "Shapes").
+DEFAULT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // local_world_size()))
 # From a cold disk the threads mostly wait on I/O: more of them keep more requests queued. The ranks of a
 # node share its cores (torchrun's LOCAL_WORLD_SIZE), so each gets its part.
 COLD_WORKERS = max(DEFAULT_WORKERS, min(8, 4 * (os.cpu_count() or 1) // local_world_size()))
