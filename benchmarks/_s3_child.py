@@ -1,10 +1,14 @@
 """One process of bench_s3.py: load the checkpoint from the S3 server (credentials and AWS_ENDPOINT_URL in the env)
-as bf16 and print timings, bytes and this process's memory.
+as bf16, following measure.py's protocol (the parent samples this process's memory).
 
     python benchmarks/_s3_child.py --loader {lowmem,boto3} --url s3://bucket/prefix [--tp] [--download-dir DIR]
 
 ``lowmem``: ``from_pretrained("s3://...")``; ``boto3``: the usual recipe, every rank downloads every object with
 boto3's transfer manager, then transformers loads the local copy.
+
+Before READY (the baseline): torch, transformers, lowmem_hf, the model's module, the process group, and the
+loader's S3 library (s3fs for lowmem_hf, boto3 for the recipe) are imported, as every benchmark imports the
+model's module before the clock. Making the client, listing and reading are inside the clock for both.
 """
 
 from __future__ import annotations
@@ -15,10 +19,7 @@ import os
 import sys
 import time
 
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+from _child import say, wait_for_parent
 
 
 def _download(url: str, folder: str) -> None:
@@ -57,8 +58,13 @@ def main() -> int:
         dist.init_process_group("gloo")
     MODEL_FOR_CAUSAL_LM_MAPPING[LlamaConfig]  # the model's module before the clock, for both loaders
     Auto, LowMem = transformers.AutoModelForCausalLM, lowmem_hf.LowMemAutoModelForCausalLM
+    if args.loader == "lowmem":
+        import s3fs  # noqa: F401
+    else:
+        import boto3.s3.transfer  # noqa: F401
     tp = {"tp_plan": "auto"} if args.tp else {}
-    base_anon, base_hwm = _status_kb("RssAnon"), _status_kb("VmHWM")
+    say("READY")
+    wait_for_parent("go")
     start = time.perf_counter()
     counts = {}
     if args.loader == "lowmem":
@@ -69,13 +75,12 @@ def main() -> int:
         _download(args.url, args.download_dir)
         model = Auto.from_pretrained(args.download_dir, dtype=torch.bfloat16, **tp)
     seconds = time.perf_counter() - start
+    say("LOADED")
+    wait_for_parent("go")
     assert not any(p.device.type == "meta" for p in model.parameters())
     local = sum((p.data.to_local() if hasattr(p.data, "to_local") else p.data).nbytes for p in model.parameters())
-    print("@@RESULT " + json.dumps({
-        "seconds": seconds, "rank": dist.get_rank() if args.tp else 0, "model_bytes": local,
-        "rss_anon_bytes": (_status_kb("RssAnon") - base_anon) * 1024, "vm_hwm_bytes": (_status_kb("VmHWM") - base_hwm) * 1024,
-        **counts,
-    }), flush=True)
+    say("RESULT " + json.dumps({"seconds": seconds, "rank": dist.get_rank() if args.tp else 0, "model_bytes": local, **counts}))
+    wait_for_parent("exit")
     if args.tp:
         dist.destroy_process_group()
     return 0

@@ -9,8 +9,9 @@ lowmem_hf's ``from_pretrained("s3://...")`` (each rank's planned ranges; under a
 fetch) and the usual recipe (every rank downloads every object with boto3's transfer manager, then transformers
 loads the local copy). It prints the time to a loaded model (the slowest rank), the bytes the server sent as a
 multiple of the checkpoint's size (goal for lowmem_hf: <= 1.02x), the bytes a rank received from the others
-against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: the rise of
-its VmHWM during the load and its RssAnon after it, above the baseline, against the bytes of its model shard.
+against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: its peak
+RssAnon and VmHWM above its post-import baseline, sampled by this process (``measure.py``), against the bytes of
+its model shard (the largest over the ranks).
 
 The shape is bench_hub.py's ``llama-tp3`` widths with 12 heads and 6 KV heads (``llama-tp6``: 1, 2 and 3 ranks
 divide what they must).
@@ -25,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO / "tests"))  # after HERE: tests/ has its own checkpoints.py
 
 from bench_hub import SHAPES, free_port, make_shaped_checkpoint  # noqa: E402
+from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
 from s3_server import serve_on_loopback, start_s3_server, weed_binary  # noqa: E402  (the tests' S3 server)
 
 
@@ -99,7 +100,7 @@ class ShapedProxy:
 
 def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks: int, chunk_mib: int | None = None) -> dict:
     proxy.reset()
-    port, procs = free_port(), []
+    port, procs, logs = free_port(), [], []
     for rank in range(ranks):
         home = scratch / f"home-{loader}-{ranks}-{rank}"
         shutil.rmtree(home, ignore_errors=True)
@@ -114,13 +115,22 @@ def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks:
             argv.append("--tp")
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        logs.append(open(scratch / f"{loader}-{ranks}-rank{rank}.stderr.log", "w+"))
+        procs.append(spawn_child(argv, env=env, stderr=logs[-1]))
+    try:
+        got = run_children(procs, start_together=True, timeout_s=3600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=3600)
-        if p.returncode != 0:
-            raise SystemExit(f"{loader}/{ranks} ranks failed:\n{err[-3000:]}")
-        results.append(json.loads(next(line for line in out.splitlines() if line.startswith("@@RESULT "))[9:]))
+    for rank, (one, log) in enumerate(zip(got, logs)):
+        log.seek(0)
+        if not one["ok"]:
+            raise SystemExit(f"{loader}/{ranks} ranks, rank {rank} failed: {one['error']}\n{log.read()[-3000:]}")
+        log.close()
+        results.append(dict(one["result"], rss_anon_bytes=one["peak_rss_anon_above_baseline_kb"] * 1024,
+                            vm_hwm_bytes=one["vmhwm_above_baseline_kb"] * 1024))
     for rank in range(ranks):
         shutil.rmtree(scratch / f"home-{loader}-{ranks}-{rank}", ignore_errors=True)
     received = [r["bytes_received"] / r["bytes_read"] for r in results if r.get("bytes_read")]
@@ -150,6 +160,7 @@ def main(argv=None) -> int:
     server = start_s3_server(binary)
     proxy = ShapedProxy(server.endpoint, rate=args.rate_mb * 1e6, latency_s=args.latency_ms / 1e3)
     runs: dict[tuple, list[dict]] = {}
+    print(f"[s3] sampler {boost_sampler_priority()}", flush=True)
     try:
         url = server.upload(str(checkpoint), "bench")
         for repeat in range(args.repeats):
@@ -160,7 +171,7 @@ def main(argv=None) -> int:
                     ratio = f"  received {row['received_vs_read']:.3f}x of read" if row["received_vs_read"] is not None else ""
                     print(f"  [{repeat + 1}/{args.repeats}] {loader:7s} ranks={ranks}  {row['seconds']:7.2f}s  sent "
                           f"{row['bytes'] / size:.3f}x checkpoint in {row['requests']} requests{ratio}  VmHWM "
-                          f"{row['hwm_vs_model']:.2f}x / RssAnon {row['anon_vs_model']:.2f}x model shard", flush=True)
+                          f"{row['hwm_vs_model']:.2f}x / RssAnon {row['anon_vs_model']:.2f}x model shard (peaks)", flush=True)
     finally:
         proxy.close()
         server.stop()
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
     print(f"\nSummary: llama-tp6 {size / 1e9:.2f} GB fp32 -> bf16, {args.rate_mb:.0f} MB/s per connection, "
           f"+{args.latency_ms:.0f} ms per request, median of {args.repeats}")
     print("  loader   ranks  time-to-model  vs boto3+transformers  server bytes / checkpoint  received / read  "
-          "VmHWM rise / shard  RssAnon / shard")
+          "VmHWM peak / shard  RssAnon peak / shard")
     rows = []
     for (ranks, loader), done in runs.items():
         row = dict(done[-1], seconds=statistics.median(r["seconds"] for r in done))
