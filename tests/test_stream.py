@@ -216,6 +216,21 @@ def test_mmap_and_disable_mmap_disagree(make_checkpoint):
         Causal.from_pretrained(make_checkpoint("llama", "sharded"), mmap=True, disable_mmap=True)
 
 
+def test_the_ranks_of_a_node_share_its_cores_among_their_reader_threads():
+    import subprocess
+    import sys
+
+    def workers(local_world_size: int) -> list[int]:
+        code = "import lowmem_hf.stream as s; print(s.DEFAULT_WORKERS, s.COLD_WORKERS)"
+        env = dict(os.environ, LOCAL_WORLD_SIZE=str(local_world_size))
+        return [int(n) for n in subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()]
+
+    cores = os.cpu_count() or 1
+    assert workers(1) == [DEFAULT_WORKERS, COLD_WORKERS] == [min(4, cores), max(min(4, cores), min(8, 4 * cores))]
+    warm, cold = workers(cores)  # as many ranks as cores: one reader each from the page cache, four from a disk
+    assert (warm, cold) == (1, 4)
+
+
 def test_reader_threads_follow_the_page_cache(make_checkpoint, tmp_path):
     path = shutil.copytree(make_checkpoint("llama", "sharded"), tmp_path / "llama")  # a copy nothing else maps
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
