@@ -11,7 +11,7 @@ loads the local copy). It prints the time to a loaded model (the slowest rank), 
 multiple of the checkpoint's size (goal for lowmem_hf: <= 1.02x), the bytes a rank received from the others
 against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: its peak
 RssAnon and VmHWM above its post-import baseline, sampled by this process (``measure.py``), against the bytes of
-its model shard (the largest over the ranks).
+its model shard (the largest ratio over the ranks).
 
 The shape is bench_hub.py's ``llama-tp3`` widths with 12 heads and 6 KV heads (``llama-tp6``: 1, 2 and 3 ranks
 divide what they must).

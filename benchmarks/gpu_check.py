@@ -303,7 +303,8 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and args.tp_ranks > torch.cuda.device_count():
         raise SystemExit(f"--tp-ranks {args.tp_ranks}: this machine has {torch.cuda.device_count()} GPU(s), one per rank")
     if not args.tp_ranks:
-        print("[gpu_check] one GPU: no tensor-parallel rows (--tp-ranks 2 needs 2 GPUs)", flush=True)
+        why = "one GPU (--tp-ranks 2 needs 2)" if args.device.startswith("cuda") else "--tp-ranks 0"
+        print(f"[gpu_check] {why}: no tensor-parallel rows", flush=True)
     paths = {case: make_llama_checkpoint(workdir, args.size_gb, getattr(torch, stored)) for case, stored in CASES.items()}
     nbytes = min(1 << 30, sum(f.stat().st_size for f in paths["bf16 -> bf16"].glob("*.safetensors")))
     copy = run_one(["--loader", "copy", "--device", args.device, "--nbytes", str(nbytes)], env, args.timeout)
