@@ -29,7 +29,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO / "tests"))
 
-from bench_hub import free_port  # noqa: E402
+from measure import free_port  # noqa: E402
 from checkpoints import make_llama_checkpoint  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ sys.path.append(str(REPO / "tests"))  # after HERE: tests/ has its own checkpoin
 
 from checkpoints import _fresh_dir, _read_marker, _shard_size, make_llama_checkpoint  # noqa: E402
 from hub_server import HubServer  # noqa: E402  (the tests' loopback Hub)
+from measure import free_port  # noqa: E402
 
 
 SHAPES = {
@@ -80,12 +80,6 @@ def make_shaped_checkpoint(workdir: Path, shape: str, size_gb: float) -> Path:
     model.save_pretrained(out, max_shard_size=_shard_size(model))
     (out / "bench_checkpoint.json").write_text(json.dumps(want))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(server: HubServer, scratch: Path, loader: str, fetch: str, ranks: int) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -29,13 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_load import child_env  # noqa: E402
 from checkpoints import make_llama_checkpoint, prewarm_page_cache  # noqa: E402
-from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from measure import boost_sampler_priority, free_port, run_children, spawn_child  # noqa: E402
 
 
 MESHES = {

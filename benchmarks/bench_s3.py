@@ -38,8 +38,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(REPO / "tests"))  # after HERE: tests/ has its own checkpoints.py
 
-from bench_hub import SHAPES, free_port, make_shaped_checkpoint  # noqa: E402
-from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
+from bench_hub import SHAPES, make_shaped_checkpoint  # noqa: E402
+from measure import boost_sampler_priority, free_port, run_ranks  # noqa: E402
 from s3_server import serve_on_loopback, start_s3_server, weed_binary  # noqa: E402  (the tests' S3 server)
 
 
@@ -100,7 +100,7 @@ class ShapedProxy:
 
 def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks: int, chunk_mib: int | None = None) -> dict:
     proxy.reset()
-    port, procs, logs = free_port(), [], []
+    port, commands = free_port(), []
     for rank in range(ranks):
         home = scratch / f"home-{loader}-{ranks}-{rank}"
         shutil.rmtree(home, ignore_errors=True)
@@ -115,22 +115,13 @@ def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks:
             argv.append("--tp")
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        logs.append(open(scratch / f"{loader}-{ranks}-rank{rank}.stderr.log", "w+"))
-        procs.append(spawn_child(argv, env=env, stderr=logs[-1]))
+        commands.append((argv, env))
     try:
-        got = run_children(procs, start_together=True, timeout_s=3600)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for rank, (one, log) in enumerate(zip(got, logs)):
-        log.seek(0)
-        if not one["ok"]:
-            raise SystemExit(f"{loader}/{ranks} ranks, rank {rank} failed: {one['error']}\n{log.read()[-3000:]}")
-        log.close()
-        results.append(dict(one["result"], rss_anon_bytes=one["peak_rss_anon_above_baseline_kb"] * 1024,
-                            vm_hwm_bytes=one["vmhwm_above_baseline_kb"] * 1024))
+        got = run_ranks(commands, [scratch / f"{loader}-{ranks}-rank{rank}.stderr.log" for rank in range(ranks)], timeout_s=3600)
+    except RuntimeError as error:
+        raise SystemExit(f"{loader}/{ranks} ranks: {error}") from None
+    results = [dict(one["result"], rss_anon_bytes=one["peak_rss_anon_above_baseline_kb"] * 1024,
+                    vm_hwm_bytes=one["vmhwm_above_baseline_kb"] * 1024) for one in got]
     for rank in range(ranks):
         shutil.rmtree(scratch / f"home-{loader}-{ranks}-{rank}", ignore_errors=True)
     received = [r["bytes_received"] / r["bytes_read"] for r in results if r.get("bytes_read")]

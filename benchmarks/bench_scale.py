@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from checkpoints import drop_page_cache, make_bin_twin, make_llama_checkpoint  # noqa: E402
-from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
+from measure import boost_sampler_priority, free_port, run_children, spawn_child  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 SEVEN_B = dict(hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=32000)
@@ -76,12 +75,6 @@ class MemoryGroup:
 
     def remove(self) -> None:
         self.path.rmdir()  # the group is empty once its process has exited
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load(loader: str, path: Path, ranks: int, limit: int | None, logdir: Path, tag: str) -> list[dict]:

@@ -31,9 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_load import child_env  # noqa: E402
-from bench_tp import free_port  # noqa: E402
 from checkpoints import drop_page_cache, make_bin_twin, make_llama_checkpoint, prewarm_page_cache  # noqa: E402
-from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
+from measure import boost_sampler_priority, free_port, run_children, spawn_child  # noqa: E402
 
 # case -> (checkpoint format, target dtype, loaders compared with transformers)
 CASES = {

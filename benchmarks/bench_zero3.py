@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -51,16 +50,10 @@ sys.path.insert(0, str(HERE))
 from bench_load import child_env  # noqa: E402
 from bench_mesh import make_warmup_checkpoint  # noqa: E402
 from checkpoints import make_llama_checkpoint, prewarm_page_cache  # noqa: E402
-from measure import boost_sampler_priority, run_children, spawn_child  # noqa: E402
+from measure import boost_sampler_priority, free_port, run_children, spawn_child  # noqa: E402
 
 LOADERS = ("lowmem", "transformers", "build")
 MEM_TARGET, TIME_TARGET, READ_TARGET = 1.05, 0.5, 1.02
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(loader: str, path: Path, ranks: int, logdir: Path, rep: int, warmup: Path | None, timeout: float,

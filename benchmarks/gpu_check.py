@@ -162,43 +162,22 @@ def measure_case(path: Path, args, env: dict, variants: tuple[str, ...]) -> tupl
     return runs, equality
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load_ranks(loader: str, path: Path, args, cache: str, env: dict, *, digest: bool) -> list[dict]:
     """One ``tp_plan="auto"`` load of ``args.tp_ranks`` ranks, a fresh process each, started together and sampled
     by this process; a failed rank raises with its stderr tail."""
     from checkpoints import drop_page_cache, prewarm_page_cache
-    from measure import run_children, spawn_child
+    from measure import free_port, run_ranks
 
     drop_page_cache() if cache == "cold" else prewarm_page_cache(path)
-    port, procs, logs = free_port(), [], []
-    argv = ["--tp", "--loader", loader, "--path", str(path), "--dtype", "bfloat16", "--device", args.device]
-    for rank in range(args.tp_ranks):
-        log = Path(env["GPU_CHECK_LOG"]).with_suffix(f".rank{rank}.log")
-        logs.append(log)
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.tp_ranks), LOCAL_WORLD_SIZE=str(args.tp_ranks),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        with open(log, "w") as stderr:
-            procs.append(spawn_child([sys.executable, str(HERE / "_gpu_child.py"), *argv, *([] if digest else ["--no-digest"])],
-                                     env=rank_env, stderr=stderr))
-    try:
-        got = run_children(procs, start_together=True, timeout_s=args.timeout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    results = []
-    for rank, (one, log) in enumerate(zip(got, logs)):
-        if not one["ok"]:
-            raise RuntimeError(f"{loader} rank {rank} of {args.tp_ranks}: {one['error']}; stderr tail:\n{log.read_text()[-3000:]}")
-        result = dict(one["result"], rss_anon=one["peak_rss_anon_above_baseline_kb"] * 1024, vmhwm=one["vmhwm_above_baseline_kb"] * 1024)
-        results.append(result)
+    port = free_port()
+    argv = [sys.executable, str(HERE / "_gpu_child.py"), "--tp", "--loader", loader, "--path", str(path), "--dtype", "bfloat16",
+            "--device", args.device, *([] if digest else ["--no-digest"])]
+    ranks = range(args.tp_ranks)
+    commands = [(argv, dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.tp_ranks), LOCAL_WORLD_SIZE=str(args.tp_ranks),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in ranks]
+    got = run_ranks(commands, [Path(env["GPU_CHECK_LOG"]).with_suffix(f".rank{r}.log") for r in ranks], timeout_s=args.timeout)
+    results = [dict(one["result"], rss_anon=one["peak_rss_anon_above_baseline_kb"] * 1024, vmhwm=one["vmhwm_above_baseline_kb"] * 1024)
+               for one in got]
     seconds = max(r["load_seconds"] for r in results)
     print(f"  [{path.name} {cache} tp{args.tp_ranks} {loader:<12}] {seconds:.2f} s, "
           f"{max(r['model_bytes'] for r in results) / 1e9:.2f} GB per rank", flush=True)

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import os
 import selectors
+import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from lowmem_hf.measured_load import PREFIX, Child, read_status, reset_peak_rss
 
-__all__ = ["PREFIX", "boost_sampler_priority", "read_proc_status", "reset_peak_rss", "run_child", "run_children", "spawn_child"]
+__all__ = [
+    "PREFIX", "boost_sampler_priority", "free_port", "read_proc_status", "reset_peak_rss", "run_child", "run_children", "run_ranks",
+    "spawn_child",
+]
 
 
 def read_proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -112,6 +117,34 @@ def run_children(
     if len(children) > 1 and results:
         results[0]["group"] = {"peak_sum_rss_anon_above_baseline_kb": group_peak_sum}
     return results
+
+
+def free_port() -> int:
+    """A loopback port free now: the ranks' ``MASTER_PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(commands: Sequence[tuple[Sequence[str], dict[str, str]]], logs: Sequence[Path], *, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """The ranks of one parallel load: a protocol child per ``(argv, env)``, its stderr into the matching log, all
+    started together and measured by ``run_children``; a child left running is killed. A failed rank raises
+    ``RuntimeError`` naming it, with its stderr's tail."""
+    procs = []
+    try:
+        for (argv, env), log in zip(commands, logs):
+            with open(log, "w") as stderr:  # the child keeps its own descriptor
+                procs.append(spawn_child(argv, env=env, stderr=stderr))
+        got = run_children(procs, start_together=True, timeout_s=timeout_s)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (one, log) in enumerate(zip(got, logs)):
+        if not one["ok"]:
+            raise RuntimeError(f"rank {rank} of {len(got)} failed: {one['error']}; stderr tail ({log}):\n{Path(log).read_text()[-3000:]}")
+    return got
 
 
 def spawn_child(argv: Sequence[str], *, env=None, cwd=None, stderr=None) -> subprocess.Popen:

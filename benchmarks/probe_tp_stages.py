@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -66,11 +65,10 @@ def main() -> None:
         return
     if args.path is None:
         ap.error("the checkpoint folder (path) is required")
+    from measure import free_port
     for _ in range(args.rounds):
         for loader in ("lowmem", "transformers"):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),
                        LOCAL_WORLD_SIZE=str(args.ranks), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
                        HF_HUB_DISABLE_TELEMETRY="1", TRANSFORMERS_VERBOSITY="error",
