@@ -127,6 +127,7 @@ def stream(
             if hint is not None:
                 hint(info, shard)
             jobs += reader.jobs(info, dst, shard)
+        jobs = source.arrange(sub.name, jobs)
         futures = [pool.submit(job) for job in jobs] if pool is not None else jobs
         return _InFlight(sub, tensors, staged, pairs, futures, _read_bytes(sub))
 

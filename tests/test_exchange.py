@@ -15,7 +15,9 @@ import pytest
 import torch
 import transformers
 
+from lowmem_hf.types import ShardSpec
 from test_hub import weight_files
+from lowmem_hf.sources import ByteSource
 from lowmem_hf.sources.schedule import DEFAULT_WAVE_BYTES, RankRuns, schedule_spans, wave_span_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,3 +265,124 @@ def test_a_file_that_changes_mid_load_fails_every_rank(hub_server, tp_repo, tmp_
     results = _finish(_launch(hub_server, tp_repo, tmp_path, 2), timeout=240)
     for code, err in results:
         assert code != 0 and "RemoteFileChangedError" in err and target in err, err[-3000:]
+
+
+def test_stretches_only_one_rank_reads_are_fetched_by_it_and_only_shared_bytes_are_in_spans():
+    # "a": a dim-0 split with an overlap (rank 0 reads [0, 6000), rank 1 [5000, 10000)); "b": replicated; "c": a
+    # dim-1 slice (alternating 50-byte runs); "d": a short stretch only rank 0 reads
+    runs = [
+        [("l0", "a", 0, 6000), ("l1", "b", 0, 1000)] + [("l2", "c", i * 100, i * 100 + 50) for i in range(20)] + [("l3", "d", 0, 500)],
+        [("l0", "a", 5000, 10000), ("l1", "b", 0, 1000)] + [("l2", "c", i * 100 + 50, i * 100 + 100) for i in range(20)],
+    ]
+    schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=2000, direct_bytes=1000)
+    assert [(s.file, s.start, s.stop) for s in sorted({s for w in schedule.waves for s in w}, key=lambda s: (s.file, s.start))] == [
+        ("a", 5000, 5300), ("a", 5300, 5600), ("a", 5600, 5900), ("a", 5900, 6000),
+        ("b", 0, 300), ("b", 300, 600), ("b", 600, 900), ("b", 900, 1000),
+        ("c", 0, 300), ("c", 300, 600), ("c", 600, 900), ("c", 900, 1200), ("c", 1200, 1500), ("c", 1500, 1800),
+        ("c", 1800, 2000), ("d", 0, 300), ("d", 300, 500),
+    ]  # the overlap, the replicated and the interleaved bytes, and the short stretch: nothing else
+    assert [schedule.direct_at(0, "a", at) for at in (0, 4999, 5000)] == [5000, 5000, None]
+    assert [schedule.direct_at(1, "a", at) for at in (5999, 6000, 9999, 10000)] == [None, 10000, 10000, None]
+    assert schedule.direct_at(1, "a", 0) is None and schedule.direct_at(0, "d", 0) is None and schedule.direct_at(0, "zz", 0) is None
+    # the direct bytes count as owned: rank 0 fetches 5000 itself, rank 1 4000, so rank 1 owns more of the spans
+    owned = [sum(s.stop - s.start for w in schedule.waves for s in w if s.owner == r) for r in (0, 1)]
+    assert owned[1] > owned[0] and abs((owned[0] + 5000) - (owned[1] + 4000)) <= 300
+    # "l0" (10000 bytes) would be cut into waves of 2000; its shared bytes (1000) fit one: it is not cut
+    assert not schedule.cuts_submodules and schedule.cut == frozenset()
+    assert schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=2000).cut == {"l0"}
+    for rank in range(2):  # from the spans each rank gets exactly the bytes it reads that are not its direct ones
+        got = {f: 0 for f in "abcd"}
+        for w, wave in enumerate(schedule.waves):
+            for s in wave:
+                got[s.file] += int((lambda a, b: (b - a).sum())(*schedule.pieces(rank, w, s)))
+        assert got == [{"a": 1000, "b": 1000, "c": 1000, "d": 500}, {"a": 1000, "b": 1000, "c": 1000, "d": 0}][rank]
+
+
+def test_a_run_across_a_direct_stretch_keeps_only_its_shared_parts_in_plan_order():
+    # rank 0 reads "a" [0, 3000) then [3000, 3100) in one run that spans [2500, 3100): only [3000, 3100) is shared
+    runs = [
+        [("l0", "a", 0, 2500), ("l0", "a", 2500, 3100), ("l1", "a", 4000, 4100)],
+        [("l0", "a", 3000, 3100), ("l1", "a", 4000, 4100)],
+    ]
+    schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=1000, wave_bytes=10_000, direct_bytes=1000)
+    assert schedule.direct_at(0, "a", 0) == 3000 and schedule.direct_at(0, "a", 3000) is None
+    assert [(s.start, s.stop) for s in schedule.waves[0]] == [(3000, 3100), (4000, 4100)]
+    keys, starts, stops = schedule.needs[0]
+    assert list(zip(starts.tolist(), stops.tolist())) == [(3000, 3100), (4000, 4100)]
+
+
+class _Streaming(ByteSource):
+    """A byte source over ``data`` that streams every range in pieces of the sizes given, cycling (odd ones split
+    elements between pieces), and counts what it served; ``retry_at``: the first request is handed over up to
+    there, then again from its start, as a retried request is."""
+
+    def __init__(self, data: bytes, sizes: list[int], retry_at: int | None = None):
+        self._data, self._sizes, self._retry_at = data, sizes, retry_at
+        self.streamed = 0
+
+    def streams(self, file, offset, nbytes):
+        return True
+
+    def read(self, file, view, offset):
+        raise AssertionError("a streaming source's converted reads come through read_streamed")
+
+    def read_streamed(self, file, offset, nbytes, consume):
+        def hand(stop):
+            at, k = 0, 0
+            while at < stop:
+                n = min(self._sizes[k % len(self._sizes)], stop - at)
+                consume(memoryview(bytearray(self._data[offset + at : offset + at + n])), at)
+                at, k = at + n, k + 1
+
+        if self._retry_at is not None:
+            hand(min(self._retry_at, nbytes))
+            self._retry_at = None
+        hand(nbytes)
+        self.streamed += nbytes
+
+
+@pytest.mark.parametrize("sizes, retry_at", [([4096], None), ([3, 5, 1000, 7], None), ([1, 2, 999], 1001)])
+def test_a_streamed_read_converts_each_piece_as_it_comes_even_where_an_element_is_split(sizes, retry_at):
+    from lowmem_hf.formats.base import RangeReader, StreamStats
+    from lowmem_hf.types import TensorInfo
+
+    stored = torch.randn(40, 33, generator=torch.Generator().manual_seed(0))
+    data = b"\0" * 12 + stored.numpy().tobytes()
+    info = TensorInfo(key="w", file="f", dtype=torch.float32, shape=(40, 33), offset=12)
+    for shard, want in [(None, stored), (ShardSpec(style="rowwise", dim=1, start=5, stop=20, tp_rank=0, tp_size=1), stored[:, 5:20])]:
+        source = _Streaming(data, sizes, retry_at)
+        reader = RangeReader({"f": 1}, 512, StreamStats(), source)
+        dst = torch.empty(want.shape, dtype=torch.bfloat16)
+        for job in reader.jobs(info, dst, shard):
+            job()
+        assert torch.equal(dst, want.to(torch.bfloat16))  # what transformers' cast gives, bit for bit
+        assert source.streamed == want.numel() * 4  # no staging read: every byte came through the pieces
+
+
+def test_a_read_that_must_run_the_next_wave_waits_for_every_earlier_read_of_its_submodule():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lowmem_hf.sources.exchange import _InOrder
+
+    order, seen = _InOrder(4), []
+    release = threading.Event()
+
+    def slow():  # read 0 holds the current wave until released
+        release.wait(10)
+        seen.append("0 done")
+
+    def advances():  # read 2 must run the next wave: not before reads 0 and 1 are done
+        _InOrder.wait_for_earlier()
+        seen.append("2 advances")
+
+    jobs = [slow, lambda: seen.append("1 done"), advances, lambda: seen.append("3 done")]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(order.run, i, job) for i, job in enumerate(jobs)]
+        time.sleep(0.3)
+        assert "2 advances" not in seen and "3 done" in seen  # later reads that need no new wave are not held up
+        release.set()
+        for future in futures:
+            future.result(timeout=10)
+    assert seen.index("2 advances") > seen.index("0 done")
+    _InOrder.wait_for_earlier()  # outside a cut submodule's read: returns at once

@@ -253,6 +253,13 @@ def _tp_worker(rank: int, world: int, port: int, folder: str, urls: dict, option
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto")
         for kind, url in urls.items():
             results[kind] = _tp_load(theirs, url, options, tp_plan="auto")
+        # spans of 64 KiB: each rank's row shards (128-256 KiB) are stretches only it reads, fetched by it straight
+        # into its tensors; as bf16, converted piece by piece as the bytes arrive
+        results["direct"] = _tp_load(theirs, urls["safetensors"], options, tp_plan="auto", fetch_span_bytes=64 * 1024)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.bfloat16)
+        results["direct-bf16"] = _tp_load(
+            theirs, urls["safetensors"], options, tp_plan="auto", fetch_span_bytes=64 * 1024, torch_dtype=torch.bfloat16,
+        )
         # a DistributedConfig mesh (FSDP2 over the two ranks): each rank its dim-0 shards
         fsdp = {"distributed_config": DistributedConfig(fsdp_size=world)}
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **fsdp)
@@ -310,7 +317,8 @@ def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_r
         "safetensors": sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors")),
         "dcp": sum(info["size"] for info in s3.fs().ls(urls["dcp"], detail=True) if info["name"].endswith(".distcp")),
     }
-    for kind in ("safetensors", "dcp"):  # the safetensors checkpoint, and the DCP one resumed at tp 2
+    stored["direct"] = stored["direct-bf16"] = stored["safetensors"]
+    for kind in ("safetensors", "dcp", "direct", "direct-bf16"):  # the DCP checkpoint is resumed at tp 2
         results = [e[kind] for e in every]
         for r in results:
             assert r["same"] and r["n"] > 0, (kind, r)
@@ -319,6 +327,9 @@ def test_ranks_fetch_every_byte_once_and_match_transformers_tp_fsdp_shards_and_r
         # each rank that reads the chunk, to find where its bytes start
         assert sum(r["fetched"] for r in results) <= stored[kind] * (1.02 if kind == "dcp" else 1), kind
         assert all(r["received"] > 0 for r in results), kind  # the ranks exchanged what the other fetched
+    for e in every:  # the row shards came straight from the store: only the replicated and dim-1 bytes were exchanged
+        assert e["direct"]["received"] < 0.6 * e["safetensors"]["received"], e
+        assert e["direct-bf16"]["received"] == e["direct"]["received"], e
 
 
 def _locate_fails_worker(rank: int, world: int, port: int, url: str, options: dict, out_dir: str) -> None:
@@ -455,7 +466,7 @@ def test_a_zero3_trainer_job_from_the_store_trains_as_from_the_local_copy(s3, st
         assert store["partitions"] == local["partitions"]  # the trained partitions, bit for bit
 
 
-def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, options: dict, out_dir: str) -> None:
+def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, options: dict, out_dir: str, span: int | None) -> None:
     import json
 
     import s3fs
@@ -466,7 +477,8 @@ def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, opti
     dist.init_process_group("gloo", rank=rank, world_size=world)
     raised = None
     try:
-        prepared = lowmem_hf.prepare(_request(url, tp_plan="auto", storage_options=options))
+        spans = {"fetch_span_bytes": span} if span else {}
+        prepared = lowmem_hf.prepare(_request(url, tp_plan="auto", storage_options=options, **spans))
         dist.barrier()
         if rank == 0:  # the object is replaced by another of the same size between planning and reading
             fs = s3fs.S3FileSystem(**options)
@@ -485,20 +497,29 @@ def _changed_worker(rank: int, world: int, port: int, url: str, shard: str, opti
         dist.destroy_process_group()
 
 
-def test_an_object_replaced_during_a_cooperative_load_fails_every_rank_naming_it(s3, tmp_path):
+@pytest.mark.parametrize("span", [None, 64 * 1024], ids=["spans", "direct"])
+def test_an_object_replaced_during_a_cooperative_load_fails_every_rank_naming_it(s3, tmp_path, span):
     import json
 
     import torch.multiprocessing as mp
     from s3_server import free_port
 
     torch.manual_seed(0)
+    # a vocabulary of 1100: the output head (1.1 MB) is a shard alone; with 64 KiB spans each rank fetches its
+    # half of it itself, so the replaced object fails a direct read on each rank, and every rank learns of it
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, tie_word_embeddings=False,
+        vocab_size=1100 if span else 256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
     )).save_pretrained(tmp_path / "llama", max_shard_size="1MB")
-    url = s3.upload(str(tmp_path / "llama"), "llama-changed-tp")
+    url = s3.upload(str(tmp_path / "llama"), f"llama-changed-tp-{span}")
     shard = sorted(f for f in os.listdir(tmp_path / "llama") if f.endswith(".safetensors"))[-1]
-    mp.spawn(_changed_worker, args=(2, free_port(), url, shard, s3.storage_options(), str(tmp_path)), nprocs=2, join=True)
+    if span:
+        from safetensors import safe_open
+
+        shard = json.loads((tmp_path / "llama" / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+        with safe_open(str(tmp_path / "llama" / shard), "pt") as f:
+            assert list(f.keys()) == ["lm_head.weight"]
+    mp.spawn(_changed_worker, args=(2, free_port(), url, shard, s3.storage_options(), str(tmp_path), span), nprocs=2, join=True)
     for rank in range(2):
         raised = json.loads((tmp_path / f"changed{rank}.json").read_text())
         assert raised is not None and raised["type"] == "RemoteFileChangedError", (rank, raised)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_s3", "s3_get_range_into"]
+__all__ = ["is_s3", "s3_get_range_into", "s3_get_range_streamed"]
 
 
 def is_s3(fs: Any) -> bool:
@@ -41,6 +41,39 @@ def s3_get_range_into(fs: Any, path: str, start: int, view: memoryview, *, etag:
                 if n == 0:
                     break
                 got += n
+            return got
+        finally:
+            body.close()
+
+    return sync(fs.loop, get)
+
+
+def s3_get_range_streamed(
+    fs: Any, path: str, start: int, nbytes: int, consume, *, piece_bytes: int, etag: str | None, version: str | None,
+) -> int:
+    """As ``s3_get_range_into``, but the body is handed over as it arrives: ``consume(piece, at)`` per full
+    ``piece_bytes`` (a multiple of every itemsize; the last piece is the rest), ``at`` its place in the range,
+    called on s3fs's event loop. One buffer of ``piece_bytes``, reused: a range of any size costs no more."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfMatch": etag} if etag else {}
+    if version:
+        condition["VersionId"] = version
+    piece = memoryview(bytearray(min(piece_bytes, nbytes)))
+
+    async def get() -> int:
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", **condition)
+        body, got, filled = response["Body"], 0, 0
+        try:
+            while got + filled < nbytes:
+                n = await body.readinto(piece[filled : min(len(piece), nbytes - got)])
+                if n == 0:
+                    break
+                filled += n
+                if filled == len(piece) or got + filled == nbytes:
+                    consume(piece[:filled], got)
+                    got, filled = got + filled, 0
             return got
         finally:
             body.close()

@@ -78,7 +78,9 @@ class RangeReader(Reader):
     a reused staging buffer of ``chunk_bytes`` per worker thread (pinned when the destination is a CUDA device, two
     while copies overlap reads: ``Staging``), converted by ``copy_`` chunk by chunk, each chunk's host destination populated first as well. Every read is
     ``read``/``read_runs`` of the source (``preadv`` for local files): a file that ends early raises the source's
-    named error, where a mapping of it would kill the process with SIGBUS.
+    named error, where a mapping of it would kill the process with SIGBUS. Onto the CPU from a source that streams
+    (``ByteSource.streams``: an object store's bodies, a cooperative fetch's held bytes), no staging either: each
+    piece is converted as the source hands it over (``read_streamed``).
     """
 
     def __init__(self, plan_counts: dict[str, int], chunk_bytes: int, stats: StreamStats, source: ByteSource):
@@ -127,6 +129,8 @@ class RangeReader(Reader):
         host = dst.device.type == "cpu"
 
         def staged(chunk: list[tuple[int, int, int]]) -> None:
+            if host and source.streams(info.file, info.offset + chunk[0][0] * itemsize, (chunk[-1][0] + chunk[-1][2] - chunk[0][0]) * itemsize):
+                return _streamed(source, info, flat, chunk)  # converted as the bytes arrive or where they lie: no chunk staged
             total = sum(n for _, _, n in chunk)
             buf = self._staging.get(total * itemsize, device=dst.device)
             bytes_view, pos, parts = byte_view(buf), 0, []
@@ -209,6 +213,37 @@ class RangeReader(Reader):
 
     def finished(self, file: str) -> None:
         """Every planned read of ``file`` is done; its source still holds it (a format may check it here)."""
+
+
+def _streamed(source: ByteSource, info: TensorInfo, flat: torch.Tensor, chunk: list[tuple[int, int, int]]) -> None:
+    """One chunk's runs ``(first element, place in flat, elements)`` of ``info`` into ``flat``, each through
+    ``read_streamed`` (``RangeReader.jobs``, where the source streams)."""
+    itemsize = info.dtype.itemsize
+    first, last = chunk[0][1], chunk[-1][1] + chunk[-1][2]  # the runs of a chunk are consecutive in the destination
+    source.populate([byte_view(flat[first:last])])
+    for src, at, n in chunk:
+        source.read_streamed(info.file, info.offset + src * itemsize, n * itemsize, _Converting(flat[at : at + n], info.dtype))
+
+
+class _Converting:
+    """``consume`` of a streamed read (``ByteSource.read_streamed``) into ``out``: each piece's whole elements are
+    converted as they come; an element split between two pieces waits for its rest."""
+
+    def __init__(self, out: torch.Tensor, dtype: torch.dtype):
+        self._out, self._dtype, self._size = out, dtype, dtype.itemsize
+        self._carry, self._next = b"", 0
+
+    def __call__(self, piece: memoryview, at: int) -> None:
+        if at != self._next:  # a retried request hands its bytes over again, from an element's start
+            self._carry = b""
+        self._next = at + len(piece)
+        if self._carry:
+            at -= len(self._carry)
+            piece = memoryview(bytearray(self._carry) + piece)
+        k = len(piece) // self._size
+        if k:
+            self._out[at // self._size : at // self._size + k].copy_(torch.frombuffer(piece, dtype=self._dtype, count=k))
+        self._carry = bytes(piece[k * self._size :])
 
 
 class SourceFile(io.RawIOBase):

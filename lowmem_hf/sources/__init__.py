@@ -39,7 +39,7 @@ class ByteSource:
     """The protocol every byte source keeps. A default here is what a source without that capability does.
 
     Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
-    calls ``before_submodule``, follows ``policy``, and calls ``close`` once every read is done; the load report
+    calls ``before_submodule`` and ``arrange``, follows ``policy``, and calls ``close`` once every read is done; the load report
     reads the counters.
     """
 
@@ -65,6 +65,17 @@ class ByteSource:
         for view, offset in parts:
             self.read(file, view, offset)
 
+    def streams(self, file: str, offset: int, nbytes: int) -> bool:
+        """Whether ``read_streamed`` serves bytes ``[offset, offset + nbytes)`` of ``file``."""
+        return False
+
+    def read_streamed(self, file: str, offset: int, nbytes: int, consume) -> None:
+        """Hand bytes ``[offset, offset + nbytes)`` of ``file`` to ``consume(piece, at)`` as they arrive (``at``: the
+        piece's place in the range), in order, in pieces of whole elements of any dtype (multiples of 8 bytes but
+        the last); a retried request hands its bytes over again. Only where ``streams`` says so: a reader that
+        converts then holds a piece rather than a chunk."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream reads")
+
     def populate(self, views: list[memoryview]) -> None:
         """The next reads fill ``views`` for the first time (a fresh parameter's memory): fault them in now where that
         makes this source's reads cheaper."""
@@ -78,6 +89,11 @@ class ByteSource:
 
     def before_submodule(self, name: str) -> None:
         """The stream is about to make the reads of submodule ``name``."""
+
+    def arrange(self, name: str, jobs: list) -> list:
+        """The reads of submodule ``name`` as the stream should run them (in this order, on its threads): ``jobs``
+        as they are, or wrapped where the source must know their order."""
+        return jobs
 
     def release(self, file: str) -> None:
         """Every planned read of ``file`` is done."""

@@ -9,7 +9,9 @@ while a load runs fails the read (412) instead of mixing two checkpoints: ``Remo
 ``ObjectStoreRanges`` is the byte source over it; under a process group ``exchange.CooperativeRanges`` fetches its
 spans through one (every byte fetched once per job).
 
-Requests are what object stores serve best: the stream's chunks (a few MiB), many in flight; retries are the
+Requests are what object stores serve best: the stream's chunks (a few MiB), many in flight. A reader that
+converts (fp32 stored, bf16 loaded) takes each body as it arrives (``read_streamed``), so it holds 256 KiB of it
+rather than a chunk: 16 readers staged 16 chunks (0.06x of a 1 GB model) before. Retries are the
 client's (botocore's, for 503 SlowDown and 5xx) then a few of ours with backoff for dropped or stalled connections;
 then ``ObjectStoreError`` naming the object and the last answer. fsspec and s3fs are imported when a store is opened,
 never by ``import lowmem_hf`` (``pip install lowmem_hf[s3]``).
@@ -28,12 +30,15 @@ from ..errors import CheckpointNotFoundError, ObjectStoreCredentialsError, Objec
 from ..types import RemoteFile
 from . import ByteSource, ReadPolicy
 
-__all__ = ["ObjectStore", "ObjectStoreRanges", "DOWNLOAD_CHUNK_BYTES"]
+__all__ = ["ObjectStore", "ObjectStoreRanges", "DOWNLOAD_CHUNK_BYTES", "STREAM_PIECE_BYTES"]
 
 _MAX_ATTEMPTS = 2
 """Attempts of ours, each after the client's own retries (botocore's and s3fs's: 503 SlowDown, 5xx, resets)."""
 DOWNLOAD_CHUNK_BYTES = 16 * 1024 * 1024
 """One request of a whole-object download (``.bin`` shards, DCP files, small files)."""
+STREAM_PIECE_BYTES = 256 * 1024
+"""What a streamed read hands over at a time (``read_streamed``): a reader converting a chunk holds this much of it,
+not the whole chunk, whatever the request's size."""
 _DEFAULT_OPTIONS = {"s3": {"config_kwargs": {"max_pool_connections": 32}}}
 """What a store gets unless ``storage_options`` says otherwise: enough pooled connections for the reader threads."""
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
@@ -90,6 +95,8 @@ class ObjectStore:
         self.root = root.rstrip("/")
         self.bucket = self.root.split("/", 1)[0]
         self._conditional = fsspec_api.is_s3(self.fs)
+        self.streams = self._conditional
+        """Whether ``read_streamed`` works here (S3)."""
 
     def url_of(self, name: str) -> str:
         """The URL of ``name``, a path under the prefix."""
@@ -141,11 +148,22 @@ class ObjectStore:
             return len(data)
 
         got = self._call(read, what=f"bytes {start}-{stop - 1}", url=remote.url, planned=remote)
-        if got != len(view):
-            raise RemoteFileChangedError(
-                f"{remote.url}: asked for bytes {start}-{stop - 1} of the {remote.size} planned (etag {remote.etag}), "
-                f"got {got}. The object changed; load again to re-plan.", file=remote.url,
+        _check_length(remote, start, stop, got)
+
+    def read_streamed(self, remote: RemoteFile, start: int, nbytes: int, consume) -> None:
+        """``read_into`` without the buffer: bytes ``[start, start + nbytes)`` of ``remote`` handed to ``consume(piece,
+        at)`` as they arrive, in order, in pieces of ``STREAM_PIECE_BYTES`` (the last one shorter). A retried request
+        hands them over again from ``at`` 0. S3 only (``streams``: s3fs's body can be read as it arrives; other
+        fsspec stores return a range whole). Raises as ``read_into`` does."""
+        path, stop = f"{self.root}/{remote.filename}", start + nbytes
+
+        def read() -> int:
+            return fsspec_api.s3_get_range_streamed(
+                self.fs, path, start, nbytes, consume, piece_bytes=STREAM_PIECE_BYTES, etag=remote.etag, version=remote.version,
             )
+
+        got = self._call(read, what=f"bytes {start}-{stop - 1}", url=remote.url, planned=remote)
+        _check_length(remote, start, stop, got)
 
     def read_range(self, remote: RemoteFile, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of ``remote`` (``read_into`` a buffer of their own)."""
@@ -177,7 +195,7 @@ class ObjectStore:
             try:
                 return call()
             except Exception as e:  # noqa: BLE001 - each kind is named below, the rest retried then named
-                permanent = self._permanent(e, what=what, url=url, planned=planned)
+                permanent = _permanent(e, bucket=self.bucket, what=what, url=url, planned=planned)
                 if permanent is not None:
                     raise permanent from e
                 if not _is_transport_error(e):
@@ -192,32 +210,42 @@ class ObjectStore:
             f"{answer}. {fix}", file=url, found=answer, fix=fix,
         ) from last
 
-    def _permanent(self, e: BaseException, *, what: str, url: str, planned: RemoteFile | None) -> Exception | None:
-        """The named error for a failure that a retry cannot fix; None for one worth retrying."""
-        if type(e).__name__ in _CREDENTIAL_ERRORS or isinstance(e, PermissionError):
-            how = "found no credentials" if type(e).__name__ in _CREDENTIAL_ERRORS else "refused the credentials (403)"
-            fix = (
-                "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass storage_options="
-                "{'key': ..., 'secret': ...} (or {'anon': True} for a public bucket); AWS_ENDPOINT_URL or "
-                "storage_options={'endpoint_url': ...} for a store other than AWS."
-            )
-            return ObjectStoreCredentialsError(
-                f"{url}: the store {how} for bucket {self.bucket!r} ({what}). {fix}", file=url, key=self.bucket, fix=fix,
-            )
-        if isinstance(e, FileNotFoundError):
-            if planned is not None:
-                return RemoteFileChangedError(
-                    f"{url}: the load was planned with this object (etag {planned.etag}) but the store now answers "
-                    "404 Not Found for it. It was removed; load again to re-plan.", file=url,
-                )
-            return CheckpointNotFoundError(f"{url}: not found (404) in bucket {self.bucket!r} ({what}). Check the URL.", file=url)
-        if planned is not None and isinstance(e, OSError) and e.errno == errno.EINVAL and "condition" in str(e):
+
+def _check_length(remote: RemoteFile, start: int, stop: int, got: int) -> None:
+    """A body shorter than the range asked for: the object changed (a conditional read of it would have failed)."""
+    if got != stop - start:
+        raise RemoteFileChangedError(
+            f"{remote.url}: asked for bytes {start}-{stop - 1} of the {remote.size} planned (etag {remote.etag}), "
+            f"got {got}. The object changed; load again to re-plan.", file=remote.url,
+        )
+
+
+def _permanent(e: BaseException, *, bucket: str, what: str, url: str, planned: RemoteFile | None) -> Exception | None:
+    """The named error for a failure that a retry cannot fix; None for one worth retrying."""
+    if type(e).__name__ in _CREDENTIAL_ERRORS or isinstance(e, PermissionError):
+        how = "found no credentials" if type(e).__name__ in _CREDENTIAL_ERRORS else "refused the credentials (403)"
+        fix = (
+            "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass storage_options="
+            "{'key': ..., 'secret': ...} (or {'anon': True} for a public bucket); AWS_ENDPOINT_URL or "
+            "storage_options={'endpoint_url': ...} for a store other than AWS."
+        )
+        return ObjectStoreCredentialsError(
+            f"{url}: the store {how} for bucket {bucket!r} ({what}). {fix}", file=url, key=bucket, fix=fix,
+        )
+    if isinstance(e, FileNotFoundError):
+        if planned is not None:
             return RemoteFileChangedError(
-                f"{url}: the load was planned with etag {planned.etag}"
-                + (f" (version {planned.version})" if planned.version else "")
-                + " but the object was replaced since (412 Precondition Failed). Load again to re-plan.", file=url,
+                f"{url}: the load was planned with this object (etag {planned.etag}) but the store now answers "
+                "404 Not Found for it. It was removed; load again to re-plan.", file=url,
             )
-        return None
+        return CheckpointNotFoundError(f"{url}: not found (404) in bucket {bucket!r} ({what}). Check the URL.", file=url)
+    if planned is not None and isinstance(e, OSError) and e.errno == errno.EINVAL and "condition" in str(e):
+        return RemoteFileChangedError(
+            f"{url}: the load was planned with etag {planned.etag}"
+            + (f" (version {planned.version})" if planned.version else "")
+            + " but the object was replaced since (412 Precondition Failed). Load again to re-plan.", file=url,
+        )
+    return None
 
 
 class ObjectStoreRanges(ByteSource):
@@ -237,6 +265,16 @@ class ObjectStoreRanges(ByteSource):
 
     def read(self, file: str, view: memoryview, offset: int) -> None:
         self._store.read_into(self._remote[file], view, offset)
+        self._counted(len(view))
+
+    def streams(self, file: str, offset: int, nbytes: int) -> bool:
+        return self._store.streams
+
+    def read_streamed(self, file: str, offset: int, nbytes: int, consume) -> None:
+        self._store.read_streamed(self._remote[file], offset, nbytes, consume)
+        self._counted(nbytes)
+
+    def _counted(self, nbytes: int) -> None:
         with self._count:
             self.requests += 1
-            self.bytes_fetched += len(view)
+            self.bytes_fetched += nbytes

@@ -94,18 +94,30 @@ class Pieces:
             x[order].tolist() for x in (starts, stops, buffers, positions)
         )
 
+    def stream(self, offset: int, nbytes: int, consume) -> int:
+        """Hand the bytes from ``offset`` to ``consume(piece, at)`` where they lie (views of the held buffers, ``at``
+        counted from ``offset``), as far as they are held: the number of bytes handed over (as ``copy``)."""
+        return self._walk(offset, nbytes, consume)
+
     def copy(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` with the bytes from ``offset``, as far as they are held: the number of bytes filled (from
         the front; fewer than ``len(view)`` where a byte is not held, e.g. it comes in the next wave)."""
+
+        def into(piece: memoryview, at: int) -> None:
+            view[at : at + len(piece)] = piece
+
+        return self._walk(offset, len(view), into)
+
+    def _walk(self, offset: int, nbytes: int, consume) -> int:
         i = bisect.bisect_right(self._starts, offset) - 1
         done = 0
-        while done < len(view):
+        while done < nbytes:
             pos = offset + done
             if i < 0 or i >= len(self._starts) or not self._starts[i] <= pos < self._stops[i]:
                 return done
-            take = min(len(view) - done, self._stops[i] - pos)
+            take = min(nbytes - done, self._stops[i] - pos)
             at = self._positions[i] + pos - self._starts[i]
-            view[done : done + take] = self._buffers[self._buffer_of[i]][at : at + take]
+            consume(self._buffers[self._buffer_of[i]][at : at + take], done)
             done += take
             i += 1
         return done

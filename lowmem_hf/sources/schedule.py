@@ -17,12 +17,18 @@ from ..types import LoadPlan
 
 __all__ = [
     "Span", "RankRuns", "Schedule", "rank_runs", "collect_runs", "schedule_spans", "wave_span_bytes", "default_wave_bytes",
-    "DEFAULT_WAVE_BYTES", "FETCH_THREADS",
+    "DEFAULT_WAVE_BYTES", "FETCH_THREADS", "DIRECT_MIN_BYTES", "DIRECT_READERS",
 ]
 
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
 FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency
 _MIN_SPAN_BYTES = 4 * 1024 * 1024  # below this a span's request latency weighs more than its transfer
+DIRECT_MIN_BYTES = 1024 * 1024
+"""The shortest stretch only one rank reads that it fetches itself rather than through a span (``schedule_spans``)."""
+DIRECT_READERS = 8
+"""Reader threads of a cooperative fetch: each has one request of a direct stretch in flight. From an object store
+the bodies are converted as they arrive, so a reader stages 256 KiB, not a chunk; at 2-3 ranks (probe_s3_memory.py)
+8 readers loaded in 6.1-6.6 s where 4 took 6.9-7.0 s and 2 took 8.5-9.6 s, for 0.01x more memory than 4."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,21 @@ class Schedule:
     """Per rank, the bytes it reads: ``(keys, starts, stops)``, merged and sorted, key ``wave * files + file``."""
     file_index: dict[str, int]
     """Each file's number in the keys of ``needs``."""
+    direct: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()
+    """Per rank, the stretches only it reads, each long enough to be fetched on its own: ``(files, starts, stops)``,
+    merged, sorted by file then start. Their rank fetches them straight into its reads; they are in no wave."""
+
+    def direct_at(self, rank: int, file: str, offset: int) -> int | None:
+        """The end of ``rank``'s direct stretch of ``file`` that holds byte ``offset``; None: no direct stretch holds it."""
+        if not self.direct:
+            return None
+        files, starts, stops = self.direct[rank]
+        at = self.file_index.get(file)
+        if at is None:
+            return None
+        lo, hi = np.searchsorted(files, at, "left"), np.searchsorted(files, at, "right")
+        i = lo + np.searchsorted(starts[lo:hi], offset, "right") - 1
+        return int(stops[i]) if lo <= i < hi and offset < stops[i] else None
 
     def wave_at(self, rank: int, file: str, offset: int, *, since: int = 0) -> int | None:
         """The first wave from ``since`` on in which ``rank`` reads byte ``offset`` of ``file`` (None: none)."""
@@ -129,6 +150,9 @@ class Schedule:
             return None
         hit = np.flatnonzero((keys % n_files == at) & (keys // n_files >= since) & (starts <= offset) & (offset < stops))
         return int(keys[hit[0]] // n_files) if len(hit) else None
+
+    cut: frozenset[str] = frozenset()
+    """The submodules whose bytes come in several waves (their reads advance the waves)."""
 
     @property
     def cuts_submodules(self) -> bool:
@@ -146,7 +170,7 @@ class Schedule:
         return np.maximum(starts[first:last], span.start), np.minimum(stops[first:last], span.stop)
 
 
-def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes: int) -> Schedule:
+def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes: int, direct_bytes: int | None = None) -> Schedule:
     """The cooperative schedule every rank computes alike from everyone's runs (a pure function).
 
     Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
@@ -155,6 +179,12 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     wave of it, not all of it (``exchange.py`` advances the waves as its reads reach them). A wave's bytes are the
     union of every rank's runs in it, cut into spans of at most ``span_bytes``, each owned by the rank with the
     fewest bytes so far.
+
+    With ``direct_bytes``, a stretch of a wave that only one rank reads and that is at least ``direct_bytes`` long
+    (a dim-0 slice, a ZeRO-3 or FSDP partition) is in no span: that rank fetches it straight into its reads
+    (``Schedule.direct``), and only the bytes several ranks read (replicated tensors, dim-1 slices, the edges of
+    row shards) are cut into spans and exchanged. A span would cost the rank a buffer of its own and a copy for
+    bytes nobody else wants; the owner's direct bytes count as owned when the spans are shared out.
     """
     files = sorted({f for runs in runs_by_rank for f in runs.files})
     file_index = {f: i for i, f in enumerate(files)}
@@ -168,13 +198,17 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
         file_map = np.array([file_index[f] for f in runs.files] or [0], dtype=np.int64)
         t = runs.table
         tables.append((sub_map[t[:, 0]], file_map[t[:, 1]], t[:, 2], t[:, 3]))
+    direct: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    if direct_bytes is not None:
+        direct = _read_by_one_rank([_merge(t[1], t[2], t[3]) for t in tables], direct_bytes)
+        tables = [_without(t, d) for t, d in zip(tables, direct)]
     sub, file, start, stop = (np.concatenate([t[i] for t in tables]) for i in range(4))
     n_files = max(1, len(files))
     first_wave, cuts, n_waves = _cut_waves(sub, file, start, stop, len(subs), n_files, wave_bytes, _ascending(tables))
     waved = [_wave_runs(t, first_wave, cuts) for t in tables]  # per rank: (wave, file, start, stop)
     wave, file, start, stop = (np.concatenate([t[i] for t in waved]) for i in range(4))
     waves: list[list[Span]] = [[] for _ in range(n_waves)]
-    owned = [0] * len(runs_by_rank)
+    owned = [int((d[2] - d[1]).sum()) for d in direct] or [0] * len(runs_by_rank)
     for key, lo, hi in zip(*(x.tolist() for x in _merge(wave * n_files + file, start, stop))):
         for at in range(lo, hi, span_bytes):
             owner = min(range(len(owned)), key=lambda r: (owned[r], r))
@@ -183,7 +217,64 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
             waves[key // n_files].append(Span(files[key % n_files], at, end, owner))
     needs = [_merge(w * n_files + f, a_, b_) for w, f, a_, b_ in waved]
     wave_of = {name: int(first_wave[i]) for name, i in subs.items()}
-    return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index)
+    cut = frozenset(name for name, i in subs.items() if len(cuts.get(i, ())))
+    return Schedule(wave_of=wave_of, waves=waves, needs=needs, file_index=file_index, direct=direct, cut=cut)
+
+
+def _read_by_one_rank(needs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], min_bytes: int) -> list[tuple[np.ndarray, ...]]:
+    """Per rank, ``(files, starts, stops)``: the stretches of at least ``min_bytes`` that it alone reads, from every
+    rank's runs merged per file (``needs``). A sweep: +1 (and +rank) where a run starts, -1 where it ends; where the
+    count is 1, the running sum of ranks is the one reading there. Shorter stretches (a dim-1 slice's part of a row)
+    stay in the spans: one request each would cost more than the exchange."""
+    keys = np.concatenate([n[0] for n in needs] * 2)
+    at = np.concatenate([n[1] for n in needs] + [n[2] for n in needs])
+    ranks = np.concatenate([np.full(len(n[0]), r, dtype=np.int64) for r, n in enumerate(needs)])
+    ones = np.ones(len(ranks), dtype=np.int64)
+    order = np.lexsort((at, keys))
+    keys, at = keys[order], at[order]
+    count = np.cumsum(np.concatenate([ones, -ones])[order])  # each key's events sum to 0: one running sum serves all
+    rank = np.cumsum(np.concatenate([ranks, -ranks])[order])
+    alone = (keys[1:] == keys[:-1]) & (at[1:] > at[:-1]) & (count[:-1] == 1)
+    seg_keys, seg_starts, seg_stops, seg_rank = keys[:-1][alone], at[:-1][alone], at[1:][alone], rank[:-1][alone]
+    n_ranks = len(needs)
+    merged_keys, merged_starts, merged_stops = _merge(seg_keys * n_ranks + seg_rank, seg_starts, seg_stops)
+    long = merged_stops - merged_starts >= min_bytes
+    merged_keys, merged_starts, merged_stops = merged_keys[long], merged_starts[long], merged_stops[long]
+    return [
+        (merged_keys[mine] // n_ranks, merged_starts[mine], merged_stops[mine])
+        for mine in (merged_keys % n_ranks == r for r in range(n_ranks))
+    ]
+
+
+def _without(table: tuple[np.ndarray, ...], direct: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """One rank's runs ``(sub, file, start, stop)`` less its ``direct`` stretches (merged, sorted by file and start):
+    a run inside one is dropped, one across an edge is trimmed (or split, around a stretch it spans)."""
+    sub, file, start, stop = table
+    if not len(direct[0]) or not len(sub):
+        return table
+    edges_lo = (direct[0] << _FILE_SHIFT) + direct[1]
+    edges_hi = (direct[0] << _FILE_SHIFT) + direct[2]
+    at, end = (file << _FILE_SHIFT) + start, (file << _FILE_SHIFT) + stop
+    first = np.searchsorted(edges_hi, at, "right")  # the first stretch ending after the run starts
+    last = np.searchsorted(edges_lo, end, "left")  # past the last stretch starting before the run ends
+    touched = first < last
+    keep = np.flatnonzero(~touched)
+    parts = [(keep, sub[keep], file[keep], start[keep], stop[keep])]  # (row in plan order, sub, file, start, stop)
+    extra = []  # the parts of touched runs outside every stretch (few: a dim-0 slice is one run per tensor)
+    for r, i, j in zip(np.flatnonzero(touched).tolist(), first[touched].tolist(), last[touched].tolist()):
+        base, lo = int(file[r]) << _FILE_SHIFT, int(at[r])
+        for k in range(i, j):
+            if edges_lo[k] > lo:
+                extra.append((r, int(sub[r]), int(file[r]), lo - base, int(edges_lo[k]) - base))
+            lo = int(edges_hi[k])
+        if lo < end[r]:
+            extra.append((r, int(sub[r]), int(file[r]), lo - base, int(stop[r])))
+    if extra:
+        more = np.array(extra, dtype=np.int64)
+        parts.append(tuple(more[:, j] for j in range(5)))
+    row, sub, file, start, stop = (np.concatenate([p[j] for p in parts]) for j in range(5))
+    order = np.lexsort((start, row))  # each part where its run was: plan order, which ``_ascending`` and the waves follow
+    return sub[order], file[order], start[order], stop[order]
 
 
 _FILE_SHIFT = 40  # a byte's place in the job: file << 40 | offset (files < 2**40 bytes, fewer than 2**22 files)

@@ -38,12 +38,12 @@ def main() -> None:
     args = p.parse_args()
     from lowmem_hf.sources import exchange
 
-    waves, run_wave = [], exchange.CooperativeRanges._run_wave
+    waves, run_wave = [], exchange._Waves._run_wave
     def counted(self, index):
         waves.append(index)
         return run_wave(self, index)
 
-    exchange.CooperativeRanges._run_wave = counted
+    exchange._Waves._run_wave = counted
     if args.wave is not None:
         exchange.default_wave_bytes = lambda span_bytes, world: args.wave
     torch.set_num_threads(1)
