@@ -283,10 +283,12 @@ class _Waves:
             status = _status(error)
         if self._failure is not None:  # a direct read failed since the last round: every rank learns it here
             status = self._failure
-        if status == "ok" and index + 1 < len(self._schedule.waves):
-            self._start_fetch(index + 1)  # the network works on the next wave while this one is exchanged and read
         self._statuses.agree(index, status)
         self.held = self._exchange(index, data)
+        if index + 1 < len(self._schedule.waves):
+            # the network works on the next wave while this one is read; started once the exchange's packed copies
+            # are gone, so they and the next wave's spans are never held at once
+            self._start_fetch(index + 1)
 
     def _exchange(self, index: int, data: dict[int, torch.Tensor]) -> dict[str, Pieces]:
         """Send each rank the pieces of this rank's spans it reads, receive this rank's pieces of the others'

@@ -299,10 +299,13 @@ def _cut_waves(sub, file, start, stop, n_subs: int, n_files: int, wave_bytes: in
     first_wave, cuts = np.zeros(n_subs, dtype=np.int64), {}
     wave, size = 0, 0
     for i in range(n_subs):
-        if size >= wave_bytes:  # closed only when a submodule follows: no empty last wave
+        whole = i not in ascending or size_of[i] <= wave_bytes  # not cut: the submodule comes in one wave
+        # closed only when a submodule follows (no empty last wave), and before one that would take it past
+        # wave_bytes (a wave of two layers, not two and a half: a rank holds its share of a whole wave)
+        if size >= wave_bytes or (whole and size and size + size_of[i] > wave_bytes):
             wave, size = wave + 1, 0
         first_wave[i] = wave
-        if i not in ascending or size_of[i] <= wave_bytes:
+        if whole:
             size += int(size_of[i])
             continue
         mine = keys // n_files == i
