@@ -35,8 +35,8 @@ chunk only from the Hub, whose bodies are not streamed), and of the waves: this 
 pieces it receives (at most its share of the wave, ``wave_bytes``, default 64 MiB, larger only where
 ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight (only
 pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one contiguous piece is sent from the span
-itself), plus this rank's spans of the next wave, whose requests start as soon as this wave's are done:
-the network works on wave k+1 while wave k is exchanged and read. Each buffer is a mapping of its own
+itself), plus this rank's spans of the next wave, whose requests start once this wave is exchanged (the packed
+copies gone): the network works on wave k+1 while wave k is read. Each buffer is a mapping of its own
 (``pieces.wave_buffer``), given back to the system when its wave is dropped, not kept by malloc.
 The process group's store carries the statuses because a store wait has a timeout and tells which key (rank)
 is missing, where a gloo receive from a dead peer only fails, or hangs until the group's timeout. A rank whose

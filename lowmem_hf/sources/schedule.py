@@ -129,6 +129,8 @@ class Schedule:
     direct: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()
     """Per rank, the stretches only it reads, each long enough to be fetched on its own: ``(files, starts, stops)``,
     merged, sorted by file then start. Their rank fetches them straight into its reads; they are in no wave."""
+    cut: frozenset[str] = frozenset()
+    """The submodules whose bytes come in several waves (their reads advance the waves)."""
 
     def direct_at(self, rank: int, file: str, offset: int) -> int | None:
         """The end of ``rank``'s direct stretch of ``file`` that holds byte ``offset``; None: no direct stretch holds it."""
@@ -150,9 +152,6 @@ class Schedule:
             return None
         hit = np.flatnonzero((keys % n_files == at) & (keys // n_files >= since) & (starts <= offset) & (offset < stops))
         return int(keys[hit[0]] // n_files) if len(hit) else None
-
-    cut: frozenset[str] = frozenset()
-    """The submodules whose bytes come in several waves (their reads advance the waves)."""
 
     @property
     def cuts_submodules(self) -> bool:
@@ -180,11 +179,12 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     union of every rank's runs in it, cut into spans of at most ``span_bytes``, each owned by the rank with the
     fewest bytes so far.
 
-    With ``direct_bytes``, a stretch of a wave that only one rank reads and that is at least ``direct_bytes`` long
-    (a dim-0 slice, a ZeRO-3 or FSDP partition) is in no span: that rank fetches it straight into its reads
-    (``Schedule.direct``), and only the bytes several ranks read (replicated tensors, dim-1 slices, the edges of
-    row shards) are cut into spans and exchanged. A span would cost the rank a buffer of its own and a copy for
-    bytes nobody else wants; the owner's direct bytes count as owned when the spans are shared out.
+    With ``direct_bytes``, a stretch of a file that only one rank reads (in the whole job) and that is at least
+    ``direct_bytes`` long (a dim-0 slice, a ZeRO-3 or FSDP partition) is in no span: that rank fetches it straight
+    into its reads (``Schedule.direct``), and only the bytes several ranks read (replicated tensors, dim-1 slices,
+    the edges of row shards) make the waves, are cut into spans and exchanged. A span would cost the rank a buffer
+    of its own and a copy for bytes nobody else wants; the owner's direct bytes count as owned when the spans are
+    shared out.
     """
     files = sorted({f for runs in runs_by_rank for f in runs.files})
     file_index = {f: i for i, f in enumerate(files)}
