@@ -3,6 +3,7 @@ and in each rank a thread that samples its RssAnon every 2 ms beside the live by
 buffers (``pieces.wave_buffer``) and of the stream's staging.
 
     python benchmarks/probe_s3_memory.py [--size-gb 2.0] [--ranks 1 2 3] [--warm-client] [--chunk-mib N]
+        [--readers N] [--wave-mib N] [--checkpoint DIR]
 
 It prints, per rank, the peak RssAnon above the post-import baseline against the rank's bf16 shard, and what was
 live at that peak: the model's bytes loaded so far, the wave buffers, and the rest (the client, staging, gloo,
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--readers", type=int, default=None, help="reader threads of the cooperative fetch")
     parser.add_argument("--wave-mib", type=int, default=None, help="the cooperative fetch's default wave")
     parser.add_argument("--min-span-mib", type=float, default=4, help="with --wave-mib: its smallest span")
+    parser.add_argument("--checkpoint", default=None, help="a saved checkpoint folder to load instead (e.g. bench_shapes.py's)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=str(HERE / "_work"))
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     from s3_server import start_s3_server, weed_binary
 
     workdir = Path(args.workdir)
-    checkpoint = bench_s3.make_shaped_checkpoint(workdir, "llama-tp6", args.size_gb)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else bench_s3.make_shaped_checkpoint(workdir, "llama-tp6", args.size_gb)
     server = start_s3_server(weed_binary())
     proxy = bench_s3.ShapedProxy(server.endpoint, rate=100e6, latency_s=0.02)
     try:
