@@ -25,16 +25,8 @@ def s3_get_range_into(fs: Any, path: str, start: int, view: memoryview, *, etag:
     ``OSError(EINVAL)``)."""
     from fsspec.asyn import sync
 
-    bucket, key, _ = fs.split_path(path)
-    condition = {"IfMatch": etag} if etag else {}
-    if version:
-        condition["VersionId"] = version
-
     async def get() -> int:
-        response = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + len(view) - 1}", **condition,
-        )
-        body, got = response["Body"], 0
+        body, got = await _conditional_body(fs, path, start, len(view), etag=etag, version=version), 0
         try:
             while got < len(view):
                 n = await body.readinto(view[got:])
@@ -56,15 +48,10 @@ def s3_get_range_streamed(
     called on s3fs's event loop. One buffer of ``piece_bytes``, reused: a range of any size costs no more."""
     from fsspec.asyn import sync
 
-    bucket, key, _ = fs.split_path(path)
-    condition = {"IfMatch": etag} if etag else {}
-    if version:
-        condition["VersionId"] = version
     piece = memoryview(bytearray(min(piece_bytes, nbytes)))
 
     async def get() -> int:
-        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", **condition)
-        body, got, filled = response["Body"], 0, 0
+        body, got, filled = await _conditional_body(fs, path, start, nbytes, etag=etag, version=version), 0, 0
         try:
             while got + filled < nbytes:
                 n = await body.readinto(piece[filled : min(len(piece), nbytes - got)])
@@ -79,3 +66,13 @@ def s3_get_range_streamed(
             body.close()
 
     return sync(fs.loop, get)
+
+
+async def _conditional_body(fs: Any, path: str, start: int, nbytes: int, *, etag: str | None, version: str | None):
+    """The body of s3fs's GET of bytes ``[start, start + nbytes)``, with ``If-Match: etag`` and the ``VersionId``."""
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfMatch": etag} if etag else {}
+    if version:
+        condition["VersionId"] = version
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{start + nbytes - 1}", **condition)
+    return response["Body"]
