@@ -56,7 +56,7 @@ def test_a_submodule_larger_than_a_wave_is_cut_into_waves_only_where_every_rank_
     ]
     schedule = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=1000)
     assert schedule.wave_of == {"emb": 0, "mix": 4} and len(schedule.waves) == 5  # "mix" stays one wave
-    assert schedule.cuts_submodules
+    assert schedule.cut == {"emb"}
     assert [schedule.wave_at(0, "a", at) for at in (0, 999, 1000, 1999, 2000)] == [0, 0, 1, 1, None]
     assert [schedule.wave_at(1, "a", at) for at in (2000, 3999)] == [2, 3]
     assert schedule.wave_at(1, "a", 2000, since=3) is None
@@ -64,7 +64,7 @@ def test_a_submodule_larger_than_a_wave_is_cut_into_waves_only_where_every_rank_
         got = [(a, b) for w in range(4) for s in schedule.waves[w] for a, b in zip(*(x.tolist() for x in schedule.pieces(rank, w, s)))]
         assert sum(b - a for a, b in got) == hi - lo and all(lo <= a < b <= hi for a, b in got)
     whole = schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=10_000)
-    assert not whole.cuts_submodules and len(whole.waves) == 1
+    assert whole.cut == frozenset() and len(whole.waves) == 1
 
 
 def test_spans_give_every_fetch_thread_of_every_rank_a_connection_down_to_4_mib():
@@ -288,7 +288,7 @@ def test_stretches_only_one_rank_reads_are_fetched_by_it_and_only_shared_bytes_a
     owned = [sum(s.stop - s.start for w in schedule.waves for s in w if s.owner == r) for r in (0, 1)]
     assert owned[1] > owned[0] and abs((owned[0] + 5000) - (owned[1] + 4000)) <= 300
     # "l0" (10000 bytes) would be cut into waves of 2000; its shared bytes (1000) fit one: it is not cut
-    assert not schedule.cuts_submodules and schedule.cut == frozenset()
+    assert schedule.cut == frozenset()
     assert schedule_spans([RankRuns.from_tuples(r) for r in runs], span_bytes=300, wave_bytes=2000).cut == {"l0"}
     for rank in range(2):  # from the spans each rank gets exactly the bytes it reads that are not its direct ones
         got = {f: 0 for f in "abcd"}

@@ -153,11 +153,6 @@ class Schedule:
         hit = np.flatnonzero((keys % n_files == at) & (keys // n_files >= since) & (starts <= offset) & (offset < stops))
         return int(keys[hit[0]] // n_files) if len(hit) else None
 
-    @property
-    def cuts_submodules(self) -> bool:
-        """Whether some submodule's bytes come in several waves (its reads then advance the waves)."""
-        return len(self.waves) > len(set(self.wave_of.values()))
-
     def pieces(self, rank: int, wave: int, span: Span) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, stops)``: the parts of ``span`` (of ``wave``) that ``rank`` reads, ascending; what the span's
         owner sends that rank, concatenated in this order."""
