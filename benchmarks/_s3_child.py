@@ -2,6 +2,7 @@
 as bf16, following measure.py's protocol (the parent samples this process's memory).
 
     python benchmarks/_s3_child.py --loader {lowmem,boto3} --url s3://bucket/prefix [--tp] [--download-dir DIR]
+        [--package-dir DIR]  # lowmem from DIR/lowmem_rev (another revision: bench_s3.py --against)
 
 ``lowmem``: ``from_pretrained("s3://...")``; ``boto3``: the usual recipe, every rank downloads every object with
 boto3's transfer manager, then transformers loads the local copy.
@@ -14,6 +15,7 @@ model's module before the clock. Making the client, listing and reading are insi
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -43,6 +45,7 @@ def main() -> int:
     parser.add_argument("--tp", action="store_true")
     parser.add_argument("--download-dir")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="lowmem_hf's chunk_bytes (default: its own)")
+    parser.add_argument("--package-dir", help="load with the lowmem_hf copy at DIR/lowmem_rev instead of the installed one")
     args = parser.parse_args()
 
     import torch
@@ -51,7 +54,11 @@ def main() -> int:
     from transformers import LlamaConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    import lowmem_hf
+    if args.package_dir:
+        sys.path.insert(0, args.package_dir)
+        lowmem_hf = importlib.import_module("lowmem_rev")
+    else:
+        import lowmem_hf
 
     torch.set_num_threads(1)
     if args.tp:
@@ -65,21 +72,23 @@ def main() -> int:
     tp = {"tp_plan": "auto"} if args.tp else {}
     say("READY")
     wait_for_parent("go")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), os.times()
     counts = {}
     if args.loader == "lowmem":
         chunk = {"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}
         model, report = LowMem.from_pretrained(args.url, torch_dtype=torch.bfloat16, output_loading_info=True, **tp, **chunk)
-        counts = {"bytes_received": report.bytes_received, "bytes_read": report.bytes_read, "bytes_fetched": report.bytes_fetched}
+        counts = {"bytes_received": report.bytes_received, "bytes_read": report.bytes_read, "bytes_fetched": report.bytes_fetched,
+                  "stage_seconds": report.stage_seconds}
     else:
         _download(args.url, args.download_dir)
         model = Auto.from_pretrained(args.download_dir, dtype=torch.bfloat16, **tp)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, [b - a for a, b in zip(cpu, os.times())]
     say("LOADED")
     wait_for_parent("go")
     assert not any(p.device.type == "meta" for p in model.parameters())
     local = sum((p.data.to_local() if hasattr(p.data, "to_local") else p.data).nbytes for p in model.parameters())
-    say("RESULT " + json.dumps({"seconds": seconds, "rank": dist.get_rank() if args.tp else 0, "model_bytes": local, **counts}))
+    say("RESULT " + json.dumps({"seconds": seconds, "rank": dist.get_rank() if args.tp else 0, "model_bytes": local,
+                             "cpu_seconds": cpu[0] + cpu[1], **counts}))
     wait_for_parent("exit")
     if args.tp:
         dist.destroy_process_group()
