@@ -104,9 +104,9 @@ def stream(
 
     ``reader`` (``formats.open_reader``) makes the reads, from ``source``; the stream runs them on ``workers``
     threads (1: on the calling thread, no thread started) and closes both when it ends. Reads of the following
-    submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0, or a source
-    whose policy has no ``read_ahead``: one submodule at a time); with ``read_ahead_hints`` (files not in the page cache) the
-    reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
+    submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0: one submodule
+    at a time; a submodule the source's ``may_read_ahead`` refuses waits until every earlier read is done); with
+    ``read_ahead_hints`` (files not in the page cache) the reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
     partition, filled in place); otherwise each read gets a fresh tensor. Nothing is kept between submodules but what the reader and
     source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
     and all on exit).
@@ -115,8 +115,6 @@ def stream(
     _note_unused_switches(device, stats)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowmem-read") if workers > 1 else None
     hint = reader.hint if read_ahead_hints else None  # ~0.1 ms per call even when cached
-    if not source.policy.read_ahead:
-        read_ahead_bytes = 0
 
     def submit(sub: SubmodulePlan) -> _InFlight:
         source.before_submodule(sub.name)  # the cooperative fetch runs its waves from here
@@ -137,7 +135,8 @@ def stream(
     try:
         while pending or window:
             # queue the next submodules' reads behind the current one, within the budget (none without a pool)
-            while pending and (not window or pool is not None and ahead + _read_bytes(pending[0]) <= read_ahead_bytes):
+            while pending and (not window or pool is not None and ahead + _read_bytes(pending[0]) <= read_ahead_bytes
+                               and source.may_read_ahead(pending[0].name)):
                 item = submit(pending.popleft())
                 ahead += item.nbytes if window else 0
                 window.append(item)

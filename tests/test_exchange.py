@@ -387,3 +387,27 @@ def test_a_read_that_must_run_the_next_wave_waits_for_every_earlier_read_of_its_
             future.result(timeout=10)
     assert seen.index("2 advances") > seen.index("0 done")
     _InOrder.wait_for_earlier()  # outside a cut submodule's read: returns at once
+
+
+def test_the_stream_reads_ahead_only_within_the_wave_held_and_never_into_a_cut_submodule():
+    from types import SimpleNamespace
+
+    from lowmem_hf.sources.exchange import CooperativeRanges
+
+    # both ranks read everything (replicated): "l0" and "l1" make wave 0, "l2" opens wave 1, "emb" is cut into waves
+    # 1-3, and "l3" fits the rest of wave 3
+    runs = [("l0", "a", 0, 400), ("l1", "a", 400, 800), ("l2", "a", 800, 1200), ("emb", "b", 0, 2500), ("l3", "a", 1200, 1300)]
+    schedule = schedule_spans([RankRuns.from_tuples(runs)] * 2, span_bytes=300, wave_bytes=1000)
+    assert schedule.wave_of == {"l0": 0, "l1": 0, "l2": 1, "emb": 1, "l3": 3} and schedule.cut == {"emb"}
+    source = CooperativeRanges.__new__(CooperativeRanges)  # the decision only: no process group
+    source._schedule = schedule
+
+    def may(name: str, held: int) -> bool:
+        source._waves = SimpleNamespace(next=held + 1)
+        return source.may_read_ahead(name)
+
+    assert may("l1", held=0) and not may("l2", held=0)  # a later wave would drop the one earlier reads still read
+    assert may("l2", held=1) and not may("emb", held=1)  # a cut submodule's reads run the waves themselves
+    assert not may("l3", held=2) and may("l3", held=3)  # behind a cut submodule once its last wave is held
+    assert may("not-in-any-plan", held=0)  # no bytes in any wave
+

@@ -49,11 +49,11 @@ def test_where_the_checkpoint_is(checkpoint, kind):
 
 
 def test_each_source_decides_how_it_is_read():
-    assert ByteSource.policy == ReadPolicy(workers=None, read_ahead=True, band_reads=False, gap_bytes=0)
+    assert ByteSource.policy == ReadPolicy(workers=None, band_reads=False, gap_bytes=0)
     assert HttpRanges.policy == ReadPolicy(workers=8, band_reads=True)  # a request per band of rows, many in flight
     assert ObjectStoreRanges.policy == ReadPolicy(workers=16, band_reads=True)  # object stores serve many requests at once
-    # a wave's bytes go when the next starts; the readers have one request of a direct stretch each in flight
-    assert CooperativeRanges.policy == ReadPolicy(workers=DIRECT_READERS, read_ahead=False) and DIRECT_READERS > 2
+    # the readers have one request of a direct stretch each in flight
+    assert CooperativeRanges.policy == ReadPolicy(workers=DIRECT_READERS) and DIRECT_READERS > 2
     warm, cold = LocalFiles.for_load({}, cold=False), LocalFiles.for_load({}, cold=True)
     assert warm.policy == ReadPolicy(gap_bytes=GAP_BYTES)  # page-cache copies cost less than a syscall per row
     assert cold.policy == ReadPolicy()  # from a cold disk a gap is device reads for nothing

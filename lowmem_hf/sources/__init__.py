@@ -26,8 +26,6 @@ class ReadPolicy:
 
     workers: int | None = None
     """Reader threads this source wants; None: as many as suit local files (``stream.choose_workers``)."""
-    read_ahead: bool = True
-    """False: the stream must not read ahead of the submodule it yields (the source drops bytes between them)."""
     band_reads: bool = False
     """Read a slice of many short runs (a dim-1 slice: one per row) as bands of whole rows, one ``read`` per
     band, dropping the bytes between the runs: for sources where each ``read`` costs a request."""
@@ -38,13 +36,13 @@ class ReadPolicy:
 class ByteSource:
     """The protocol every byte source keeps. A default here is what a source without that capability does.
 
-    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``; the stream
-    calls ``before_submodule`` and ``arrange``, follows ``policy``, and calls ``close`` once every read is done; the load report
-    reads the counters.
+    Readers call ``read``/``read_runs`` (from several threads at once), ``populate``, ``will_need`` and ``release``;
+    the stream calls ``may_read_ahead``, ``before_submodule`` and ``arrange``, follows ``policy``, and calls
+    ``close`` once every read is done; the load report reads the counters.
     """
 
     policy: ReadPolicy = ReadPolicy()
-    """How this source is read (threads, read-ahead, bands, gaps)."""
+    """How this source is read (threads, bands, gaps)."""
 
     # Counters, for the load report.
     requests: int = 0
@@ -89,6 +87,11 @@ class ByteSource:
 
     def before_submodule(self, name: str) -> None:
         """The stream is about to make the reads of submodule ``name``."""
+
+    def may_read_ahead(self, name: str) -> bool:
+        """Whether the reads of submodule ``name`` may start while earlier submodules' reads are still in flight
+        (within the stream's read-ahead budget); False: the stream first waits for every earlier read."""
+        return True
 
     def arrange(self, name: str, jobs: list) -> list:
         """The reads of submodule ``name`` as the stream should run them (in this order, on its threads): ``jobs``

@@ -16,8 +16,9 @@ The bytes come from the Hub (``HttpRanges``) or from an object store (``objectst
      ascending order, one tensor such as a replicated embedding, is cut into several waves); in each wave, the union
      of all ranks' runs, per file, cut into spans of at most ``span_bytes``; each span owned by the rank with the
      fewest bytes so far, its direct bytes included.
-2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; read-ahead is off
-   for this source, so a wave's buffers are dropped only once every read of the previous wave is done), and, in
+2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; the stream reads
+   ahead only within the wave held, ``may_read_ahead``, so a wave's buffers are dropped only once every read of
+   the previous wave is done), and, in
    a submodule cut into several waves, as its reads reach the next one (``read``; such a read first waits for
    every earlier read of the submodule, ``_InOrder``, so none is left behind). In a
    wave, each rank fetches its own spans, one Range request each (``HttpRanges``: resume on a cut, checks for a
@@ -79,10 +80,9 @@ class CooperativeRanges(ByteSource):
     """The byte source of a cooperative fetch (see the module doc): ``read(file, view, offset)`` from the wave held
     (``_Waves``) or, for this rank's direct stretches, from the source."""
 
-    # A wave's spans are dropped when the next wave starts: the stream must not run ahead. Reads are copies out of
-    # memory, or requests of this rank's direct stretches (one each): DIRECT_READERS threads. A rank holds only the
-    # bytes its runs cover: every read is one of its runs (no bands).
-    policy = ReadPolicy(workers=DIRECT_READERS, read_ahead=False, band_reads=False)
+    # Reads are copies out of memory, or requests of this rank's direct stretches (one each): DIRECT_READERS
+    # threads. A rank holds only the bytes its runs cover: every read is one of its runs (no bands).
+    policy = ReadPolicy(workers=DIRECT_READERS, band_reads=False)
 
     def __init__(
         self,
@@ -122,6 +122,12 @@ class CooperativeRanges(ByteSource):
         if target is not None:
             with self._waves.advancing:
                 self._waves.run_through(target)
+
+    def may_read_ahead(self, name: str) -> bool:
+        """Only into the wave held now. A later wave's ``before_submodule`` drops the one held, which earlier reads
+        may still be reading; a cut submodule's reads run the waves themselves. Within a wave, the direct requests
+        of the next submodules keep the readers busy while the stream finishes one."""
+        return name not in self._schedule.cut and self._schedule.wave_of.get(name, self._waves.next - 1) == self._waves.next - 1
 
     def arrange(self, name: str, jobs: list) -> list:
         """A submodule cut into several waves: its reads advance the waves, each dropping the last, so a read that
@@ -268,7 +274,7 @@ class _Waves:
         self._fetching[index] = (data, [submit(self._fetch, s, data[id(s)]) for s in mine])
 
     def _run_wave(self, index: int) -> None:
-        self.held = {}  # every read of the previous wave has finished (no read-ahead)
+        self.held = {}  # every read of the previous wave has finished (read-ahead stays within a wave)
         if index not in self._fetching:
             if self._failure is None:
                 self._start_fetch(index)
