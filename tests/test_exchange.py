@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -411,3 +412,40 @@ def test_the_stream_reads_ahead_only_within_the_wave_held_and_never_into_a_cut_s
     assert not may("l3", held=2) and may("l3", held=3)  # behind a cut submodule once its last wave is held
     assert may("not-in-any-plan", held=0)  # no bytes in any wave
 
+
+def _held(runs: list[tuple[int, int]]):
+    """A wave's ``Pieces`` of file "f" holding ``runs`` received packed, and their bytes in that order."""
+    from lowmem_hf.sources.pieces import Pieces
+
+    data = torch.arange(sum(b - a for a, b in runs), dtype=torch.uint8)
+    pieces = Pieces()
+    pieces.add(np.array([a for a, _ in runs]), np.array([b for _, b in runs]), data, packed=True)
+    pieces.seal()
+    return pieces, data.numpy().tobytes()
+
+
+def test_rows_held_next_to_each_other_are_handed_over_as_one_piece_and_the_rest_is_read():
+    from types import SimpleNamespace
+
+    from lowmem_hf.sources.exchange import CooperativeRanges
+
+    pieces, packed = _held([(0, 40), (100, 140), (200, 240)])  # three rows of a dim-1 slice, received packed
+    assert pieces.locate(100, 40) == (pieces.locate(0, 8)[0], 40) and pieces.locate(100, 41) is None
+    source = CooperativeRanges.__new__(CooperativeRanges)
+    source._waves = SimpleNamespace(held={"f": pieces}, next=1)
+    read = []
+
+    def read_streamed(file, offset, nbytes, consume):  # what is not held: a direct request or a later wave
+        read.append((file, offset, nbytes))
+        consume(memoryview(b"x" * nbytes), 0)
+
+    source.read_streamed = read_streamed
+    got = []
+    source.read_runs_streamed("f", [(0, 40), (100, 40), (300, 8), (200, 40)], lambda piece, at: got.append((bytes(piece), at)))
+    # one conversion for the first two rows, the row not held read by itself, then the third row
+    assert got == [(packed[:80], 0), (b"x" * 8, 80), (packed[80:], 88)] and read == [("f", 300, 8)]
+
+    views = [memoryview(bytearray(n)) for n in (40, 40, 8, 40)]
+    source.read = lambda file, view, offset: (read.append((file, offset, len(view))), view.__setitem__(slice(None), b"y" * len(view)))
+    source.read_runs("f", list(zip(views, (0, 100, 300, 200))))
+    assert [bytes(v) for v in views] == [packed[:40], packed[40:80], b"y" * 8, packed[80:]] and read[-1] == ("f", 300, 8)

@@ -216,13 +216,13 @@ class RangeReader(Reader):
 
 
 def _streamed(source: ByteSource, info: TensorInfo, flat: torch.Tensor, chunk: list[tuple[int, int, int]]) -> None:
-    """One chunk's runs ``(first element, place in flat, elements)`` of ``info`` into ``flat``, each through
-    ``read_streamed`` (``RangeReader.jobs``, where the source streams)."""
+    """One chunk's runs ``(first element, place in flat, elements)`` of ``info`` into ``flat``, through
+    ``read_runs_streamed`` (``RangeReader.jobs``, where the source streams)."""
     itemsize = info.dtype.itemsize
     first, last = chunk[0][1], chunk[-1][1] + chunk[-1][2]  # the runs of a chunk are consecutive in the destination
     source.populate([byte_view(flat[first:last])])
-    for src, at, n in chunk:
-        source.read_streamed(info.file, info.offset + src * itemsize, n * itemsize, _Converting(flat[at : at + n], info.dtype))
+    runs = [(info.offset + src * itemsize, n * itemsize) for src, _, n in chunk]
+    source.read_runs_streamed(info.file, runs, _Converting(flat[first:last], info.dtype))
 
 
 class _Converting:

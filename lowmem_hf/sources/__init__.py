@@ -74,6 +74,14 @@ class ByteSource:
         converts then holds a piece rather than a chunk."""
         raise NotImplementedError(f"{type(self).__name__} does not stream reads")
 
+    def read_runs_streamed(self, file: str, runs: list[tuple[int, int]], consume) -> None:
+        """``read_streamed`` of each ``(offset, nbytes)`` of ``runs`` in turn, ``consume(piece, at)`` counting ``at``
+        over the runs' concatenation (a chunk of a slice: its runs are consecutive in the destination)."""
+        done = 0
+        for offset, nbytes in runs:
+            self.read_streamed(file, offset, nbytes, lambda piece, at, base=done: consume(piece, base + at))
+            done += nbytes
+
     def populate(self, views: list[memoryview]) -> None:
         """The next reads fill ``views`` for the first time (a fresh parameter's memory): fault them in now where that
         makes this source's reads cheaper."""

@@ -64,7 +64,7 @@ from ..settings import DEFAULT_SPAN_BYTES
 from ..types import LoadPlan, RemoteFile
 from . import ByteSource, ReadPolicy
 from .http import HttpRanges
-from .pieces import Pieces, lay_out_wave, wave_buffer
+from .pieces import Pieces, copy_runs, hand_over_runs, lay_out_wave, wave_buffer
 from .schedule import (
     DIRECT_MIN_BYTES, DIRECT_READERS, FETCH_THREADS, RankRuns, Schedule, Span, default_wave_bytes, rank_runs, schedule_spans,
     wave_span_bytes,
@@ -160,6 +160,15 @@ class CooperativeRanges(ByteSource):
             held=lambda pieces, done: pieces.stream(offset + done, nbytes - done, lambda piece, at: consume(piece, done + at)),
             direct=direct,
         )
+
+    def read_runs(self, file: str, parts: list[tuple[memoryview, int]]) -> None:
+        copy_runs(lambda: self._waves.held.get(file), parts, lambda view, offset: self.read(file, view, offset))
+
+    def read_runs_streamed(self, file: str, runs: list[tuple[int, int]], consume) -> None:
+        def request(offset: int, nbytes: int, at: int) -> None:
+            self.read_streamed(file, offset, nbytes, lambda piece, k: consume(piece, at + k))
+
+        hand_over_runs(lambda: self._waves.held.get(file), runs, consume, request)
 
     def release(self, file: str) -> None:
         pass  # spans belong to waves, dropped when the next wave starts

@@ -12,7 +12,7 @@ import torch
 
 from .schedule import Schedule
 
-__all__ = ["Pieces", "pack", "lay_out_wave", "wave_buffer"]
+__all__ = ["Pieces", "pack", "lay_out_wave", "wave_buffer", "copy_runs", "hand_over_runs"]
 
 Transfer = tuple[torch.Tensor, int, int]
 """``(bytes, peer, tag)`` of one point-to-point message: a span's index in its wave tags its pieces."""
@@ -99,6 +99,13 @@ class Pieces:
         counted from ``offset``), as far as they are held: the number of bytes handed over (as ``copy``)."""
         return self._walk(offset, nbytes, consume)
 
+    def locate(self, offset: int, nbytes: int) -> tuple[memoryview, int] | None:
+        """``(buffer, position)`` of bytes ``[offset, offset + nbytes)`` where one run holds them all, else None."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset + nbytes > self._stops[i]:
+            return None
+        return self._buffers[self._buffer_of[i]], self._positions[i] + offset - self._starts[i]
+
     def copy(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` with the bytes from ``offset``, as far as they are held: the number of bytes filled (from
         the front; fewer than ``len(view)`` where a byte is not held, e.g. it comes in the next wave)."""
@@ -121,3 +128,42 @@ class Pieces:
             done += take
             i += 1
         return done
+
+
+def copy_runs(held, parts: list[tuple[memoryview, int]], read) -> None:
+    """``ByteSource.read_runs`` over a wave: each ``(view, offset)`` held whole in ``held()`` (the current wave's
+    ``Pieces`` of the file, or None) is copied from where it lies, the others go to ``read(view, offset)``, after
+    which ``held()`` is asked again (the read may have run the next wave). A dim-1 slice is one run per row: a
+    copy each, without a request's bookkeeping."""
+    pieces = held()
+    for view, offset in parts:
+        where = pieces.locate(offset, len(view)) if pieces is not None else None
+        if where is None:
+            read(view, offset)
+            pieces = held()
+        else:
+            view[:] = where[0][where[1] : where[1] + len(view)]
+
+
+def hand_over_runs(held, runs: list[tuple[int, int]], consume, request) -> None:
+    """``ByteSource.read_runs_streamed`` over a wave: runs held next to each other in one buffer of ``held()`` (a
+    dim-1 slice's rows, received packed) go to ``consume(piece, at)`` as one piece, so a band of rows is converted
+    by one call rather than one per row; the others go to ``request(offset, nbytes, at)``, after which ``held()`` is
+    asked again. ``at`` counts over the runs' concatenation."""
+    pieces, done, band = held(), 0, None  # band: [buffer, start, stop, at]
+    for offset, nbytes in runs:
+        where = pieces.locate(offset, nbytes) if pieces is not None else None
+        if where is not None and band is not None and where[0] is band[0] and where[1] == band[2]:
+            band[2] += nbytes
+        else:
+            if band is not None:
+                consume(band[0][band[1] : band[2]], band[3])
+                band = None
+            if where is not None:
+                band = [where[0], where[1], where[1] + nbytes, done]
+            else:
+                request(offset, nbytes, done)
+                pieces = held()
+        done += nbytes
+    if band is not None:
+        consume(band[0][band[1] : band[2]], band[3])
