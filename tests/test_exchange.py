@@ -68,6 +68,19 @@ def test_a_submodule_larger_than_a_wave_is_cut_into_waves_only_where_every_rank_
     assert whole.cut == frozenset() and len(whole.waves) == 1
 
 
+def test_the_last_waves_shrink_so_a_rank_holds_little_beside_a_nearly_loaded_model():
+    mib = 1 << 20
+    layers = [(f"l{i}", "a", i * 10 * mib, (i + 1) * 10 * mib) for i in range(20)]  # 200 MiB every rank reads
+    schedule = schedule_spans([RankRuns.from_tuples(layers)] * 2, span_bytes=4 * mib, wave_bytes=64 * mib)
+    # a wave is at most half of what is left, down to 8 MiB; whole layers as before
+    assert [sum(s.stop - s.start for s in w) // mib for w in schedule.waves] == [60, 60, 40, 20, 10, 10]
+    assert schedule.cut == frozenset()
+    head = schedule_spans([RankRuns.from_tuples([("head", "b", 0, 100 * mib)])] * 2, span_bytes=4 * mib, wave_bytes=64 * mib)
+    # one tensor larger than a wave (an output head): its cuts shrink the same way
+    assert [sum(s.stop - s.start for s in w) for w in head.waves] == [50 * mib, 25 * mib, 12.5 * mib, 8 * mib, 4.5 * mib]
+    assert head.cut == {"head"}
+
+
 def test_spans_give_every_fetch_thread_of_every_rank_a_connection_down_to_4_mib():
     mib = 1024 * 1024
     # a default wave (64 MiB) holds 4 spans per rank: one per fetch thread, each its own capped connection

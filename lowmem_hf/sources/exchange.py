@@ -13,7 +13,8 @@ The bytes come from the Hub (``HttpRanges``) or from an object store (``objectst
      else wants them, so holding them in a span would only cost a buffer and a copy;
    - the rest (replicated tensors, dim-1 slices, the edges of row shards) goes in waves: the submodules, in plan
      order, grouped into waves of about ``wave_bytes`` of such bytes (a larger submodule that every rank reads in
-     ascending order, one tensor such as a replicated embedding, is cut into several waves); in each wave, the union
+     ascending order, one tensor such as a replicated embedding, is cut into several waves), the last waves
+     smaller, since a rank holds a wave beside the model loaded so far, nearly all of it by then; in each wave, the union
      of all ranks' runs, per file, cut into spans of at most ``span_bytes``; each span owned by the rank with the
      fewest bytes so far, its direct bytes included.
 2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; the stream reads

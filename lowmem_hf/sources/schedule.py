@@ -23,6 +23,8 @@ __all__ = [
 DEFAULT_WAVE_BYTES = 64 * 1024 * 1024
 FETCH_THREADS = 4  # concurrent span requests per rank: a span is one request, so this hides latency
 _MIN_SPAN_BYTES = 4 * 1024 * 1024  # below this a span's request latency weighs more than its transfer
+_TAIL_SHARE = 2
+_MIN_TAIL_WAVE_BYTES = 8 * 1024 * 1024
 DIRECT_MIN_BYTES = 1024 * 1024
 """The shortest stretch only one rank reads that it fetches itself rather than through a span (``schedule_spans``)."""
 DIRECT_READERS = 8
@@ -168,9 +170,9 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     """The cooperative schedule every rank computes alike from everyone's runs (a pure function).
 
     Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
-    it holds ``wave_bytes``. A submodule larger than ``wave_bytes`` that every rank reads in ascending byte order
-    (one tensor: an embedding, an output head) is cut into several waves of ``wave_bytes``: a rank then holds a
-    wave of it, not all of it (``exchange.py`` advances the waves as its reads reach them). A wave's bytes are the
+    it holds ``wave_bytes``, or toward the end half of the bytes still to come, down to 8 MiB (``_wave_budget``).
+    A submodule larger than ``wave_bytes`` that every rank reads in ascending byte order (one tensor: an embedding,
+    an output head) is cut into several such waves: a rank then holds a wave of it, not all of it (``exchange.py`` advances the waves as its reads reach them). A wave's bytes are the
     union of every rank's runs in it, cut into spans of at most ``span_bytes``, each owned by the rank with the
     fewest bytes so far.
 
@@ -292,13 +294,20 @@ def _cut_waves(sub, file, start, stop, n_subs: int, n_files: int, wave_bytes: in
     keys, a, b = _merge(sub * n_files + file, start, stop)
     size_of = np.bincount(keys // n_files, weights=b - a, minlength=n_subs)  # bytes of each submodule's union
     first_wave, cuts = np.zeros(n_subs, dtype=np.int64), {}
-    wave, size = 0, 0
+    wave, size, left = 0, 0, int(size_of.sum())  # left: bytes from the current wave's start on
+    budget = _wave_budget(left, wave_bytes)
+
+    def next_wave() -> None:
+        nonlocal wave, size, left, budget
+        wave, size, left = wave + 1, 0, left - size
+        budget = _wave_budget(left, wave_bytes)
+
     for i in range(n_subs):
         whole = i not in ascending or size_of[i] <= wave_bytes  # not cut: the submodule comes in one wave
         # closed only when a submodule follows (no empty last wave), and before one that would take it past
-        # wave_bytes (a wave of two layers, not two and a half: a rank holds its share of a whole wave)
-        if size >= wave_bytes or (whole and size and size + size_of[i] > wave_bytes):
-            wave, size = wave + 1, 0
+        # its budget (a wave of two layers, not two and a half: a rank holds its share of a whole wave)
+        if size >= budget or (whole and size and size + size_of[i] > budget):
+            next_wave()
         first_wave[i] = wave
         if whole:
             size += int(size_of[i])
@@ -308,13 +317,21 @@ def _cut_waves(sub, file, start, stop, n_subs: int, n_files: int, wave_bytes: in
         for lo, hi in zip(((keys[mine] % n_files) << _FILE_SHIFT) + a[mine], ((keys[mine] % n_files) << _FILE_SHIFT) + b[mine]):
             at = int(lo)
             while at < hi:
-                if size >= wave_bytes:
-                    wave, size = wave + 1, 0
+                if size >= budget:
+                    next_wave()
                     places.append(at)
-                take = min(int(hi) - at, wave_bytes - size)
+                take = min(int(hi) - at, budget - size)
                 size, at = size + take, at + take
         cuts[i] = np.array(places, dtype=np.int64)
     return first_wave, cuts, wave + 1 if n_subs else 0
+
+
+def _wave_budget(left: int, wave_bytes: int) -> int:
+    """The size a wave closes at: ``wave_bytes``, but no more than 1/``_TAIL_SHARE`` of the shared bytes still to
+    come (``left``), down to ``_MIN_TAIL_WAVE_BYTES``. A rank holds a wave's buffers beside the model loaded so far,
+    which by the last waves is nearly all of it: small last waves keep its peak near the final model, where a wave
+    early in the load costs nothing at the peak."""
+    return min(wave_bytes, max(_MIN_TAIL_WAVE_BYTES, left // _TAIL_SHARE))
 
 
 def _wave_runs(table, first_wave: np.ndarray, cuts: dict[int, np.ndarray]):
