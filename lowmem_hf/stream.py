@@ -106,10 +106,10 @@ def stream(
     threads (1: on the calling thread, no thread started) and closes both when it ends. Reads of the following
     submodules are in flight while the caller assigns one, up to ``read_ahead_bytes`` beyond it (0: one submodule
     at a time; a submodule the source's ``may_read_ahead`` refuses waits until every earlier read is done); with
-    ``read_ahead_hints`` (files not in the page cache) the reader announces them as they enter that window. ``into(read)`` may name memory a read lands in (a ZeRO-3
-    partition, filled in place); otherwise each read gets a fresh tensor. Nothing is kept between submodules but what the reader and
-    source hold (staging buffers, open files, mapped ``.bin`` shards: each released after its file's last read,
-    and all on exit).
+    ``read_ahead_hints`` (files not in the page cache) the reader announces them as they enter that window.
+    ``into(read)`` may name memory a read lands in (a ZeRO-3 partition, filled in place); otherwise each read gets
+    a fresh tensor. Nothing is kept between submodules but what the reader and source hold (staging buffers, open
+    files, mapped ``.bin`` shards: each released after its file's last read, and all on exit).
     """
     device = torch.device(device)
     _note_unused_switches(device, stats)

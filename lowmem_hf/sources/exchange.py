@@ -14,9 +14,9 @@ The bytes come from the Hub (``HttpRanges``) or from an object store (``objectst
    - the rest (replicated tensors, dim-1 slices, the edges of row shards) goes in waves: the submodules, in plan
      order, grouped into waves of about ``wave_bytes`` of such bytes (a larger submodule that every rank reads in
      ascending order, one tensor such as a replicated embedding, is cut into several waves), the last waves
-     smaller, since a rank holds a wave beside the model loaded so far, nearly all of it by then; in each wave, the union
-     of all ranks' runs, per file, cut into spans of at most ``span_bytes``; each span owned by the rank with the
-     fewest bytes so far, its direct bytes included.
+     smaller, since a rank holds a wave beside the model loaded so far, nearly all of it by then; in each wave,
+     the union of all ranks' runs, per file, cut into spans of at most ``span_bytes``; each span owned by the rank
+     with the fewest bytes so far, its direct bytes included.
 2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; the stream reads
    ahead only within the wave held, ``may_read_ahead``, so a wave's buffers are dropped only once every read of
    the previous wave is done), and, in
@@ -128,7 +128,8 @@ class CooperativeRanges(ByteSource):
         """Only into the wave held now. A later wave's ``before_submodule`` drops the one held, which earlier reads
         may still be reading; a cut submodule's reads run the waves themselves. Within a wave, the direct requests
         of the next submodules keep the readers busy while the stream finishes one."""
-        return name not in self._schedule.cut and self._schedule.wave_of.get(name, self._waves.next - 1) == self._waves.next - 1
+        held = self._waves.next - 1
+        return name not in self._schedule.cut and self._schedule.wave_of.get(name, held) == held
 
     def arrange(self, name: str, jobs: list) -> list:
         """A submodule cut into several waves: its reads advance the waves, each dropping the last, so a read that

@@ -172,9 +172,9 @@ def schedule_spans(runs_by_rank: list[RankRuns], *, span_bytes: int, wave_bytes:
     Submodules keep the order in which they first appear (plan order, the same on every rank); a wave closes once
     it holds ``wave_bytes``, or toward the end half of the bytes still to come, down to 8 MiB (``_wave_budget``).
     A submodule larger than ``wave_bytes`` that every rank reads in ascending byte order (one tensor: an embedding,
-    an output head) is cut into several such waves: a rank then holds a wave of it, not all of it (``exchange.py`` advances the waves as its reads reach them). A wave's bytes are the
-    union of every rank's runs in it, cut into spans of at most ``span_bytes``, each owned by the rank with the
-    fewest bytes so far.
+    an output head) is cut into several such waves: a rank then holds a wave of it, not all of it (``exchange.py``
+    advances the waves as its reads reach them). A wave's bytes are the union of every rank's runs in it, cut into
+    spans of at most ``span_bytes``, each owned by the rank with the fewest bytes so far.
 
     With ``direct_bytes``, a stretch of a file that only one rank reads (in the whole job) and that is at least
     ``direct_bytes`` long (a dim-0 slice, a ZeRO-3 or FSDP partition) is in no span: that rank fetches it straight
