@@ -161,7 +161,8 @@ def tp3_repo(tmp_path_factory):
                         num_attention_heads=6, num_key_value_heads=3)
 
 
-def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None, wave: int | None = None):
+def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None = None, wave: int | None = None,
+            dtype: str | None = None):
     port, procs = _free_port(), []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
@@ -174,6 +175,8 @@ def _launch(hub, tp_repo, tmp_path, world: int, *, kill: dict[int, float] | None
             argv += ["--kill-after", str(kill[rank])]
         if wave is not None:
             argv += ["--wave", str(wave)]
+        if dtype is not None:
+            argv += ["--dtype", dtype]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -243,10 +246,12 @@ def test_an_embedding_and_head_cut_into_many_waves_load_identically_and_each_byt
     assert all(0 < r["received"] <= 1.02 * r["read"] for r in ranks), [(r["received"], r["read"]) for r in ranks]
 
 
-def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, tmp_path):
+@pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["stored", "converted"])
+def test_bodies_cut_mid_span_still_give_identical_weights(hub_server, tp_repo, tmp_path, dtype):
+    # converted (the checkpoint is fp32): direct stretches are streamed into the tensors, resumed where cut
     hub_server.add_repo("org/tp", tp_repo)
     hub_server.cut_after_bytes = 100_000  # every response breaks before a span is through
-    results = _finish(_launch(hub_server, tp_repo, tmp_path, 2), timeout=240)
+    results = _finish(_launch(hub_server, tp_repo, tmp_path, 2, dtype=dtype), timeout=240)
     assert all(code == 0 for code, _ in results), "\n".join(err[-3000:] for _, err in results)
     assert all(json.load(open(tmp_path / f"rank{r}.json"))["different"] == [] for r in range(2))
 

@@ -70,18 +70,41 @@ def test_revision_is_resolved_once_to_a_commit(hf_hub, make_checkpoint):
     assert len(by_branch) <= 2 and all(r.filename in (None, "config.json") for r in by_branch), by_branch
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["stored", "converted"])
 @pytest.mark.parametrize("fetch", ["files", "ranges"])
-def test_cut_connection_still_loads_identical_weights(hf_hub, make_checkpoint, fetch):
-    local = make_checkpoint("llama", "sharded")
+def test_cut_connection_still_loads_identical_weights(hf_hub, make_checkpoint, fetch, dtype):
+    local = make_checkpoint("llama", "sharded")  # fp32: "converted" ranges are streamed into the tensors
     hf_hub.add_repo("org/llama", local)
     # the first 3 matching GETs are the planning reads of 3 headers (length and JSON in one read, cut where longer
     # than the cut and resumed), then 2 more
     hf_hub.cut_next(1000, count=3 + 2, path="*.safetensors")
-    got, report = Causal.from_pretrained("org/llama", fetch=fetch, output_loading_info=True)
-    assert_same(got, Causal.from_pretrained(local))
+    got, report = Causal.from_pretrained("org/llama", fetch=fetch, torch_dtype=dtype, output_loading_info=True)
+    assert_same(got, Causal.from_pretrained(local, torch_dtype=dtype))
     # the 4th and 5th GETs are cut if longer than the cut; which reads they are depends on the order concurrent
     # reads reach the server (a small norm weight may be one of them), so at least one body was really cut
     assert 1 <= sum(r.cut for r in hf_hub.requests) <= 5
+
+
+def test_a_streamed_range_comes_in_whole_pieces_once_each_across_cut_connections(hf_hub, tmp_path):
+    from lowmem_hf.sources import STREAM_PIECE_BYTES
+    from lowmem_hf.sources.http import HttpRanges
+    from lowmem_hf.types import RemoteFile
+
+    local, data = tmp_path / "repo", os.urandom(5 * STREAM_PIECE_BYTES // 2)  # a range read needs no valid header
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(data)
+    sha = hf_hub.add_repo("org/llama", local)
+    url = f"{hf_hub.url}/org/llama/resolve/{sha}/model.safetensors"
+    ranges = HttpRanges({"model.safetensors": RemoteFile("model.safetensors", url, len(data), None)})
+    start, nbytes = 1000, len(data) - 2000
+    assert ranges.streams("model.safetensors", start, nbytes) and nbytes > 2 * STREAM_PIECE_BYTES
+    hf_hub.cut_next(STREAM_PIECE_BYTES // 3 + 5, count=3)  # cut inside a piece: it is resumed, not handed over twice
+    pieces = []
+    ranges.read_streamed("model.safetensors", start, nbytes, lambda piece, at: pieces.append((at, bytes(piece))))
+    assert [at for at, _ in pieces] == list(range(0, nbytes, STREAM_PIECE_BYTES))  # in order, once each
+    assert all(len(p) == STREAM_PIECE_BYTES for _, p in pieces[:-1])  # whole elements of any dtype but the last
+    assert b"".join(p for _, p in pieces) == data[start : start + nbytes]
+    assert ranges.requests == 4 and sum(r.cut for r in hf_hub.requests) == 3  # three cut bodies, each resumed
 
 
 def test_remote_file_that_changed_size_is_an_error_naming_it(hf_hub, make_checkpoint, tmp_path):

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ByteSource", "ReadPolicy"]
+__all__ = ["ByteSource", "ReadPolicy", "STREAM_PIECE_BYTES"]
+
+STREAM_PIECE_BYTES = 256 * 1024
+"""What a streamed read hands over at a time (``ByteSource.read_streamed``): a reader converting a chunk holds this
+much of it, not the whole chunk, whatever the request's size."""
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ The bytes come from the Hub (``HttpRanges``) or from an object store (``objectst
    received. So a rank receives at most the bytes its plan reads that others read too; a broadcast of every span
    gave each rank the whole checkpoint, three times what it reads at tp 3.
 
-Memory: the stream's readers (``DIRECT_READERS``: each has one request of a direct stretch in flight, staged by a
-chunk only from the Hub, whose bodies are not streamed), and of the waves: this rank's spans of a wave and the
+Memory: the stream's readers (``DIRECT_READERS``: each has one request of a direct stretch in flight, read
+straight into its tensor, or converted as it arrives, ``STREAM_PIECE_BYTES`` at a time), and of the waves: this rank's spans of a wave and the
 pieces it receives (at most its share of the wave, ``wave_bytes``, default 64 MiB, larger only where
 ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight (only
 pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one contiguous piece is sent from the span

@@ -1,4 +1,5 @@
-"""HTTP ranges: a Hub file's planned bytes fetched with Range requests through huggingface_hub's session.
+"""HTTP ranges: a Hub file's planned bytes fetched with Range requests through huggingface_hub's session, into the
+tensors or, where the dtype changes, converted as the body arrives (``read_streamed``).
 
 Nothing is written to disk. A dropped connection resumes from the last byte received; a remote file whose
 size or etag differs from the plan raises ``RemoteFileChangedError`` instead of yielding a corrupted tensor.
@@ -17,7 +18,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from ..errors import CorruptCheckpointError, HubConnectionError, RemoteFileChangedError
 from ..types import RemoteFile
-from . import ByteSource, ReadPolicy
+from . import STREAM_PIECE_BYTES, ByteSource, ReadPolicy
 from .local import LocalFiles
 
 # huggingface_hub 2.x ships httpx under its own module name; its transport errors are what a dropped
@@ -90,7 +91,9 @@ class HttpRanges(ByteSource):
     """Byte source over HTTP Range requests (see module doc). Thread-safe: huggingface_hub's client is."""
 
     # Requests wait on the network, not the CPU: more of them in flight hides per-request latency; a dim-1 slice
-    # is fetched as bands of rows, one request each, not one per row. In-flight memory stays workers x chunk_bytes.
+    # is fetched as bands of rows, one request each, not one per row. A band is staged (at most workers x
+    # chunk_bytes); any other range goes straight into its tensor, or where the dtype changes is converted as it
+    # arrives (``read_streamed``).
     policy = ReadPolicy(workers=8, band_reads=True)
 
     def __init__(self, remote: Mapping[str, RemoteFile], *, token=None, local: Mapping[str, str] | None = None):
@@ -110,12 +113,44 @@ class HttpRanges(ByteSource):
         if file not in self._remote:
             self._local.read(file, view, offset)
             return
-        remote = self._remote[file]
-        end = offset + len(view)
-        received = 0
+
+        def into(data: bytes, at: int) -> None:
+            view[at : at + len(data)] = data
+
+        self._get(self._remote[file], offset, len(view), into)
+
+    def streams(self, file: str, offset: int, nbytes: int) -> bool:
+        """Remote files stream (``read_streamed``); files already in the HF cache are read there."""
+        return file in self._remote
+
+    def read_streamed(self, file: str, offset: int, nbytes: int, consume) -> None:
+        """The body handed to ``consume(piece, at)`` in pieces of ``STREAM_PIECE_BYTES`` (the last one shorter) as
+        it arrives; a dropped connection resumes from the last byte received, so nothing is handed over twice. A
+        reader converting the range then holds one piece of it, not the whole range."""
+        piece, filled = memoryview(bytearray(min(STREAM_PIECE_BYTES, nbytes))), [0, 0]  # bytes in piece, its at
+
+        def gather(data: bytes, at: int) -> None:
+            data = memoryview(data)
+            while len(data):
+                take = min(len(data), len(piece) - filled[0])
+                piece[filled[0] : filled[0] + take] = data[:take]
+                filled[0], data = filled[0] + take, data[take:]
+                if filled[0] == len(piece):
+                    consume(piece, filled[1])
+                    filled[:] = [0, filled[1] + len(piece)]
+
+        self._get(self._remote[file], offset, nbytes, gather)
+        if filled[0]:
+            consume(piece[: filled[0]], filled[1])
+
+    def _get(self, remote: RemoteFile, offset: int, nbytes: int, sink) -> None:
+        """Bytes ``[offset, offset + nbytes)`` of ``remote``, each body part handed to ``sink(data, at)`` in order
+        (``at``: its place in the range); a dropped connection or a retryable answer resumes from the last byte
+        received, ``_MAX_ATTEMPTS`` times in all."""
+        end, received = offset + nbytes, 0
         refused = None  # the last retryable status (5xx, 408, 429): retried like a dropped connection
         for attempt in range(_MAX_ATTEMPTS):
-            if received == len(view):
+            if received == nbytes:
                 return
             headers = dict(self._headers, Range=f"bytes={offset + received}-{end - 1}")
             before = received
@@ -127,22 +162,22 @@ class HttpRanges(ByteSource):
                         self._check_found(remote, response)
                         hf_raise_for_status(response)
                         self._check(remote, response, offset + received, end)
-                        for piece in response.iter_bytes():
-                            take = min(len(piece), len(view) - received)
-                            view[received : received + take] = piece[:take]
-                            received += take
+                        for data in response.iter_bytes():
+                            data = data[: nbytes - received]
+                            sink(data, received)
+                            received += len(data)
             except TRANSPORT_ERRORS:
                 refused = None  # resume below from the last byte received
             finally:
                 with self._count:
                     self.requests += 1
                     self.bytes_fetched += received - before
-            if received < len(view):
+            if received < nbytes:
                 _backoff(attempt)
-        if received < len(view):
+        if received < nbytes:
             why = f"the server answered {refused} to the last one" if refused is not None else "the connection keeps dropping"
             raise HubConnectionError(
-                f"{remote.filename}: got {received} of {len(view)} bytes at offset {offset} after {_MAX_ATTEMPTS} "
+                f"{remote.filename}: got {received} of {nbytes} bytes at offset {offset} after {_MAX_ATTEMPTS} "
                 f"attempts; {why}. Check the network (or proxy) to the Hub and load again."
             )
 

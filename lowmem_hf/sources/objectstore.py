@@ -28,17 +28,14 @@ from typing import Any, Mapping
 from ..compat import fsspec_api
 from ..errors import CheckpointNotFoundError, ObjectStoreCredentialsError, ObjectStoreError, RemoteFileChangedError
 from ..types import RemoteFile
-from . import ByteSource, ReadPolicy
+from . import STREAM_PIECE_BYTES, ByteSource, ReadPolicy
 
-__all__ = ["ObjectStore", "ObjectStoreRanges", "DOWNLOAD_CHUNK_BYTES", "STREAM_PIECE_BYTES"]
+__all__ = ["ObjectStore", "ObjectStoreRanges", "DOWNLOAD_CHUNK_BYTES"]
 
 _MAX_ATTEMPTS = 2
 """Attempts of ours, each after the client's own retries (botocore's and s3fs's: 503 SlowDown, 5xx, resets)."""
 DOWNLOAD_CHUNK_BYTES = 16 * 1024 * 1024
 """One request of a whole-object download (``.bin`` shards, DCP files, small files)."""
-STREAM_PIECE_BYTES = 256 * 1024
-"""What a streamed read hands over at a time (``read_streamed``): a reader converting a chunk holds this much of it,
-not the whole chunk, whatever the request's size."""
 _DEFAULT_OPTIONS = {"s3": {"config_kwargs": {"max_pool_connections": 32}}}
 """What a store gets unless ``storage_options`` says otherwise: enough pooled connections for the reader threads."""
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")

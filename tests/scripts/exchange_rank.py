@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--span", type=int, required=True)
     p.add_argument("--kill-after", type=float, default=None)
     p.add_argument("--wave", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="load as this torch dtype (both loads), e.g. bfloat16")
     args = p.parse_args()
     from lowmem_hf.sources import exchange
 
@@ -68,9 +69,11 @@ def main() -> None:
 
         CooperativeRanges.before_submodule = before_submodule
     load = lowmem_hf.LowMemAutoModelForCausalLM.from_pretrained
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     with use_hub(args.hub, args.home):
-        model, report = load(args.repo, tp_plan="auto", fetch="ranges", fetch_span_bytes=args.span, output_loading_info=True)
-    reference = load(args.local, tp_plan="auto")
+        model, report = load(args.repo, tp_plan="auto", fetch="ranges", fetch_span_bytes=args.span, output_loading_info=True,
+                             torch_dtype=dtype)
+    reference = load(args.local, tp_plan="auto", torch_dtype=dtype)
 
     def local(t):
         return t.data.to_local() if hasattr(t.data, "to_local") else t.data
