@@ -156,32 +156,33 @@ def test_a_submodule_the_source_refuses_to_read_ahead_into_waits_for_every_earli
     path = make_checkpoint("llama", "sharded")
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     refused = {"model.layers.1", "lm_head"}
-    lock, active, started = threading.Lock(), [0], []
-    real_read, real_read_runs = LocalFiles.read, LocalFiles.read_runs
+    lock, pending, started = threading.Lock(), [0], []  # pending: reads submitted and not finished
 
-    def counted(real):
-        def read(self, *args):
-            with lock:
-                active[0] += 1
-            try:
-                time.sleep(0.001)  # so that reads of one submodule are still in flight when the next is submitted
-                return real(self, *args)
-            finally:
-                with lock:
-                    active[0] -= 1
-        return read
+    def arrange(self, name, jobs):  # the stream hands each submodule's reads over here as it submits them
+        def counted(job):
+            def run():
+                try:
+                    time.sleep(0.001)  # so that a submodule's reads are still pending when the next is submitted
+                    job()
+                finally:
+                    with lock:
+                        pending[0] -= 1
+            return run
 
-    monkeypatch.setattr(LocalFiles, "read", counted(real_read))
-    monkeypatch.setattr(LocalFiles, "read_runs", counted(real_read_runs))
+        with lock:
+            pending[0] += len(jobs)
+        return [counted(job) for job in jobs]
+
+    monkeypatch.setattr(LocalFiles, "arrange", arrange)
     monkeypatch.setattr(LocalFiles, "may_read_ahead", lambda self, name: name not in refused)
-    monkeypatch.setattr(LocalFiles, "before_submodule", lambda self, name: started.append((name, active[0])))
+    monkeypatch.setattr(LocalFiles, "before_submodule", lambda self, name: started.append((name, pending[0])))
     got = Causal.from_pretrained(path, torch_dtype=torch.bfloat16, chunk_bytes=1000, read_ahead_bytes=10**9)
     for name, t in ref.state_dict().items():
         assert torch.equal(got.state_dict()[name], t), name
     assert refused <= {name for name, _ in started}
-    assert all(in_flight == 0 for name, in_flight in started if name in refused), started
-    # the others were started while earlier reads ran: read-ahead is refused only where the source says
-    assert any(in_flight > 0 for name, in_flight in started[1:] if name not in refused), started
+    assert all(earlier == 0 for name, earlier in started if name in refused), started
+    # the others were started while earlier reads were pending: read-ahead is refused only where the source says
+    assert any(earlier > 0 for name, earlier in started[1:] if name not in refused), started
 
 
 def _file_backed(path: str) -> list[str]:
