@@ -17,25 +17,23 @@ The bytes come from the Hub (``HttpRanges``) or from an object store (``objectst
      smaller, since a rank holds a wave beside the model loaded so far, nearly all of it by then; in each wave,
      the union of all ranks' runs, per file, cut into spans of at most ``span_bytes``; each span owned by the rank
      with the fewest bytes so far, its direct bytes included.
-2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; the stream reads
-   ahead only within the wave held, ``may_read_ahead``, so a wave's buffers are dropped only once every read of
-   the previous wave is done), and, in
-   a submodule cut into several waves, as its reads reach the next one (``read``; such a read first waits for
-   every earlier read of the submodule, ``_InOrder``, so none is left behind). In a
+2. Waves run in lockstep as the stream reaches their first submodule (``before_submodule``; the stream reads ahead
+   only within the wave held, ``may_read_ahead``, so a wave's buffers are dropped only once every read of the
+   previous wave is done), and, in a submodule cut into several waves, as its reads reach the next one (``read``;
+   such a read first waits for every earlier read of the submodule, ``_InOrder``, so none is left behind). In a
    wave, each rank fetches its own spans, one Range request each (``HttpRanges``: resume on a cut, checks for a
-   changed file); then the ranks post a status to the process group's store and wait for everyone's, with a
-   timeout: a rank that died or failed is named on every rank, and a changed file raises
-   ``RemoteFileChangedError`` everywhere (a failed direct request is posted in the next round the same way). Then
-   each span's owner sends every other rank only the bytes of the
-   span that rank's runs cover (``Schedule.pieces``; point to point over gloo, one message per span and rank that
-   needs any of it), and the readers copy (or convert) their bytes out of their own spans and the pieces they
-   received. So a rank receives at most the bytes its plan reads that others read too; a broadcast of every span
-   gave each rank the whole checkpoint, three times what it reads at tp 3.
+   changed file); then the ranks post a status to the process group's store and wait for everyone's, with a timeout:
+   a rank that died or failed is named on every rank, and a changed file raises ``RemoteFileChangedError``
+   everywhere (a failed direct request is posted in the next round the same way). Then each span's owner sends every
+   other rank only the bytes of the span that rank's runs cover (``Schedule.pieces``; point to point over gloo, one
+   message per span and rank that needs any of it), and the readers copy (or convert) their bytes out of their own
+   spans and the pieces they received. So a rank receives at most the bytes its plan reads that others read too; a
+   broadcast of every span gave each rank the whole checkpoint, three times what it reads at tp 3.
 
-Memory: the stream's readers (``DIRECT_READERS``: each has one request of a direct stretch in flight, read
-straight into its tensor, or converted as it arrives, ``STREAM_PIECE_BYTES`` at a time), and of the waves: this rank's spans of a wave and the
-pieces it receives (at most its share of the wave, ``wave_bytes``, default 64 MiB, larger only where
-``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight (only
+Memory: the stream's readers (``DIRECT_READERS``: each has one request of a direct stretch in flight, read straight
+into its tensor, or converted as it arrives, ``STREAM_PIECE_BYTES`` at a time), and of the waves: this rank's spans
+of a wave and the pieces it receives (at most its share of the wave, ``wave_bytes``, default 64 MiB, larger only
+where ``wave_span_bytes`` keeps spans at 4 MiB), the packed copies of pieces it sends while they are in flight (only
 pieces made of several runs, e.g. a dim-1 slice's rows, are packed; one contiguous piece is sent from the span
 itself), plus this rank's spans of the next wave, whose requests start once this wave is exchanged (the packed
 copies gone): the network works on wave k+1 while wave k is read. Each buffer is a mapping of its own
