@@ -12,8 +12,9 @@ multiple of the checkpoint's size (goal for lowmem_hf: <= 1.02x), the bytes a ra
 against the bytes its plan reads (goal <= 1.02x; the largest over the ranks), and each rank's memory: its peak
 RssAnon and VmHWM above its post-import baseline, sampled by this process (``measure.py``), against the bytes of
 its model shard (the largest ratio over the ranks), and the slowest rank's stages (boto3's download and
-transformers' load, or lowmem_hf's ``LoadReport.stage_seconds``). ``--against REV`` adds lowmem_hf as of a git revision, run in
-the same rounds, to measure a change against what it replaces; the loaders' order is reversed every other round.
+transformers' load, or lowmem_hf's ``LoadReport.stage_seconds``). ``--against REV`` adds lowmem_hf as of a git
+revision, run in the same rounds, to measure a change against what it replaces; the loaders' order is reversed
+every other round.
 
 The shape is bench_hub.py's ``llama-tp3`` widths with 12 heads and 6 KV heads (``llama-tp6``: 1, 2 and 3 ranks
 divide what they must).
@@ -146,7 +147,7 @@ def run(proxy: ShapedProxy, server, url: str, scratch: Path, loader: str, ranks:
 
 
 def _stages(row: dict) -> str:
-    """The slowest rank's stages: boto3's download and transformers' load, or lowmem_hf's ``LoadReport.stage_seconds``."""
+    """The slowest rank's stages: boto3's download and transformers' load, or lowmem_hf's stage_seconds."""
     slowest = max(row["per_rank"], key=lambda r: r["seconds"])
     return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest.get("stage_seconds", {}).items())
 
