@@ -81,9 +81,9 @@ def main() -> int:
                   "stage_seconds": report.stage_seconds}
     else:
         _download(args.url, args.download_dir)
-        counts = {"stage_seconds": {"download": time.perf_counter() - start}}
+        downloaded = time.perf_counter()
         model = Auto.from_pretrained(args.download_dir, dtype=torch.bfloat16, **tp)
-        counts["stage_seconds"]["load"] = time.perf_counter() - start - counts["stage_seconds"]["download"]
+        counts = {"stage_seconds": {"download": downloaded - start, "load": time.perf_counter() - downloaded}}
     seconds, cpu = time.perf_counter() - start, [b - a for a, b in zip(cpu, os.times())]
     say("LOADED")
     wait_for_parent("go")
